@@ -1,0 +1,427 @@
+"""COAT AdamW: Adam whose two moments are stored in FP8 with Dynamic Range Expansion.
+
+``scale_by_coat_adam`` is the core Optax transformation; ``coat_adamw`` chains it with decoupled
+weight decay and the learning rate exactly as ``optax.adamw`` does, so ``coat_adamw`` is
+``optax.adamw`` (``eps_root=0``) with quantized moments. The numerics follow SPEC section 2 and
+COAT's CUDA kernel (Xi et al., "COAT: Compressing Optimizer states and Activation for
+Memory-Efficient FP8 Training", ICLR 2025, arXiv:2410.19313).
+
+State layout (:class:`ScaleByCoatAdamState`): every field but ``count`` is a tree mirroring the
+parameters. For a parameter quantized in FP8:
+
+* ``mu_codes`` / ``nu_codes``: the parameter's shape, ``float8_e4m3fn`` or ``float8_e5m2``;
+* ``mu_scale``, ``mu_expand``, ``mu_center`` (and ``nu_*``): float32, shape
+  ``param.shape[:-1] + (ceil(n / group_size),)``, i.e. 3 floats per group of 128 values: about
+  2.19 bytes per parameter for both moments, against 8 for float32 moments. Without expansion
+  ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes per parameter).
+
+Groups are ``group_size`` consecutive values along the last axis; a last axis that is not a
+multiple of ``group_size`` ends in a shorter, zero-padded group. Parameters that keep float32
+moments: scalars (no axis to group along), empty arrays, and those ``fp8_mask`` excludes. For them
+``*_codes`` holds the float32 moment itself and the statistics are ``optax.MaskedNode()``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from coat_jax import quant
+
+# A module import, not names: pallas_kernels imports coat_jax.quant, so whichever package is
+# imported first sees the other half-initialized; attributes are looked up at call time.
+from pallas_kernels import coat_adam as kernels
+
+DEFAULT_GROUP_SIZE = 128
+
+
+class ScaleByCoatAdamState(NamedTuple):
+    """State of :func:`scale_by_coat_adam`: FP8 codes plus float32 per-group statistics."""
+
+    count: jax.Array
+    mu_codes: optax.Updates
+    mu_scale: optax.Updates
+    mu_expand: optax.Updates
+    mu_center: optax.Updates
+    nu_codes: optax.Updates
+    nu_scale: optax.Updates
+    nu_expand: optax.Updates
+    nu_center: optax.Updates
+
+
+def _is_concrete_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_decay(name: str, value) -> None:
+    # Traced or array hyper-parameters (optax.inject_hyperparams) are checked by the caller's
+    # schedule, not here: a Python `if` on them would break jit.
+    if _is_concrete_number(value) and not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def _static_group_size(group_size) -> int:
+    if group_size is None:
+        return DEFAULT_GROUP_SIZE
+    if isinstance(group_size, jax.core.Tracer):
+        raise ValueError(
+            "group_size is structural (it fixes the state's shapes) and cannot be traced; with "
+            "optax.inject_hyperparams pass static_args=('group_size',)"
+        )
+    if isinstance(group_size, (jax.Array, np.ndarray)) and group_size.ndim == 0:
+        if not jnp.issubdtype(group_size.dtype, jnp.integer):
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        group_size = int(group_size)
+    return quant.check_group_size(group_size)
+
+
+def _quantized_flags(params, fp8_mask) -> list[bool]:
+    """Per leaf of ``params``: does it get FP8 moments?"""
+    leaves, treedef = jax.tree.flatten(params)
+    if fp8_mask is None:
+        wanted = [True] * len(leaves)
+    else:
+        mask_tree = fp8_mask(params) if callable(fp8_mask) else fp8_mask
+        try:
+            wanted = treedef.flatten_up_to(mask_tree)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "fp8_mask must be a tree of bools with the parameters' structure (or a "
+                f"callable returning one); it does not match the parameters: {e}"
+            ) from None
+    return [bool(w) and p.ndim >= 1 and p.size > 0 for w, p in zip(wanted, leaves, strict=True)]
+
+
+def _stat_sharding(param, stat_shape):
+    """Where a parameter's per-group statistics live: its own sharding where the shapes allow."""
+    sharding = getattr(param, "sharding", None)
+    if isinstance(param, jax.core.Tracer) or sharding is None:
+        return None
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec) + [None] * (len(stat_shape) - len(sharding.spec))
+        axis_sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
+        for i, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            ways = int(np.prod([axis_sizes[n] for n in names if n is not None]))
+            if stat_shape[i] % ways:
+                spec[i] = None
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    if sharding.is_fully_replicated:
+        return sharding
+    return None
+
+
+def _replicated_like(leaves):
+    """A replicated sharding on the parameters' mesh, so the step count lives where they do."""
+    for p in leaves:
+        sharding = getattr(p, "sharding", None)
+        if not isinstance(p, jax.core.Tracer) and isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+    return None
+
+
+def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> kernels.Moment:
+    """The quantized form of an all-zero moment, placed like ``param``."""
+    n = param.shape[-1]
+    stat_shape = (*param.shape[:-1], quant.num_groups(n, spec.group_size))
+    # What quantizing one all-zero group gives: the state starts as exactly quantize(0).
+    zero = kernels.quantize_moment(
+        jnp.zeros((spec.group_size,), jnp.float32), fmt, spec, expand_min
+    )
+    sharding = _stat_sharding(param, stat_shape)
+
+    def stat(value):
+        return jnp.full(stat_shape, value[0], jnp.float32, device=sharding)
+
+    codes = jnp.zeros_like(param, dtype=quant.FORMATS[fmt])
+    if not spec.expansion:
+        return kernels.Moment(codes, stat(zero.scale), optax.MaskedNode(), optax.MaskedNode())
+    return kernels.Moment(codes, stat(zero.scale), stat(zero.expand), stat(zero.center))
+
+
+def _full_precision_moment(x) -> kernels.Moment:
+    """A float32 moment kept as it is (in the ``*_codes`` field, no statistics)."""
+    return kernels.Moment(x, optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode())
+
+
+def _unmask(x):
+    return None if isinstance(x, optax.MaskedNode) else x
+
+
+def _moment_of(codes, scale, expand, center) -> kernels.Moment:
+    return kernels.Moment(codes, _unmask(scale), _unmask(expand), _unmask(center))
+
+
+def scale_by_coat_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    group_size: int | None = None,
+    expand_min: int = 16,
+    expansion: bool = True,
+    mu_format: str = "e4m3",
+    nu_format: str = "e4m3",
+    fp8_mask: Any | Callable[[optax.Params], Any] | None = None,
+    implementation: str = "auto",
+    interpret: bool = False,
+) -> optax.GradientTransformation:
+    r"""Rescales updates by Adam's rule, keeping both moments in FP8 (COAT).
+
+    Per element, in float32, with ``m`` and ``v`` first dequantized and ``t`` the step (from 1)::
+
+        m = b1 m + (1 - b1) g
+        v = b2 v + (1 - b2) g g
+        update = m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps)
+
+    then ``m`` and ``v`` are re-quantized per group of ``group_size`` values along the last axis,
+    with Dynamic Range Expansion (``expansion=True``) or plain absmax scaling.
+
+    Args:
+      b1: decay of the first moment, in [0, 1).
+      b2: decay of the second moment, in [0, 1).
+      eps: added to the denominator, outside the square root (as in ``optax.adam``).
+      group_size: values per quantization group (static; ``None`` means 128, COAT's size). It
+        fixes the state's shapes, so with ``optax.inject_hyperparams`` pass it in ``static_args``.
+      expand_min: DRE's exponent is a multiple of ``1 / expand_min``.
+      expansion: Dynamic Range Expansion on (COAT) or off (per-group absmax).
+      mu_format, nu_format: ``"e4m3"`` (COAT's default for both) or ``"e5m2"``.
+      fp8_mask: which parameters get FP8 moments, in optax's ``MaskOrFn`` convention (a tree of
+        bools like the parameters, or a function of the parameters returning one). ``None``:
+        all of them. Masked-out ones, scalars and empty arrays keep float32 moments.
+      implementation: ``"auto"`` (the Pallas kernel on a GPU, jnp elsewhere), ``"xla"`` or
+        ``"pallas"``.
+      interpret: run the Pallas kernel in interpret mode (for CPU tests).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`ScaleByCoatAdamState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, coat_jax
+      >>> tx = optax.chain(coat_jax.scale_by_coat_adam(), optax.scale(-1e-3))
+      >>> params = {"w": jnp.ones((4, 256))}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.full((4, 256), 0.5)}, state, params)
+    """
+    _check_decay("b1", b1)
+    _check_decay("b2", b2)
+    if _is_concrete_number(eps) and eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if _is_concrete_number(expand_min) and expand_min <= 0:
+        raise ValueError(f"expand_min must be a positive number, got {expand_min}")
+    if not isinstance(expansion, bool):
+        raise ValueError(f"expansion must be True or False, got {expansion!r}")
+    spec = kernels.MomentSpec(
+        group_size=_static_group_size(group_size),
+        mu_format=_named_format("mu_format", mu_format),
+        nu_format=_named_format("nu_format", nu_format),
+        expansion=expansion,
+    )
+    kernels.check_implementation(implementation)
+
+    def init_fn(params):
+        leaves, treedef = jax.tree.flatten(params)
+        flags = _quantized_flags(params, fp8_mask)
+        mus, nus = [], []
+        for p, quantized in zip(leaves, flags, strict=True):
+            if quantized:
+                mus.append(_init_moment(p, spec.mu_format, spec, expand_min))
+                nus.append(_init_moment(p, spec.nu_format, spec, expand_min))
+            else:
+                mus.append(_full_precision_moment(jnp.zeros_like(p, dtype=jnp.float32)))
+                nus.append(_full_precision_moment(jnp.zeros_like(p, dtype=jnp.float32)))
+        count = jnp.zeros([], jnp.int32, device=_replicated_like(leaves))
+        return _state_from_leaves(count, treedef, mus, nus)
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates)
+        count = optax.safe_increment(state.count)
+        out, mus, nus = [], [], []
+        for g, mu, nu in zip(
+            leaves,
+            _moments_of(state, treedef, "mu"),
+            _moments_of(state, treedef, "nu"),
+            strict=True,
+        ):
+            if mu.scale is None:
+                m, v, u = kernels.adam_moments_and_update(
+                    g, mu.codes, nu.codes, count=count, b1=b1, b2=b2, eps=eps
+                )
+                out.append(u.astype(g.dtype))
+                mus.append(_full_precision_moment(m))
+                nus.append(_full_precision_moment(v))
+                continue
+            u, new_mu, new_nu = kernels.coat_adam_step(
+                g,
+                mu,
+                nu,
+                count=count,
+                b1=b1,
+                b2=b2,
+                eps=eps,
+                expand_min=expand_min,
+                spec=spec,
+                implementation=implementation,
+                interpret=interpret,
+            )
+            out.append(u)
+            mus.append(_masked_moment(new_mu))
+            nus.append(_masked_moment(new_nu))
+        return treedef.unflatten(out), _state_from_leaves(count, treedef, mus, nus)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _named_format(name: str, fmt) -> str:
+    if fmt not in quant.FORMATS:
+        raise ValueError(f"unknown {name} {fmt!r}; valid values are {sorted(quant.FORMATS)}")
+    return fmt
+
+
+def _masked_moment(m: kernels.Moment) -> kernels.Moment:
+    return kernels.Moment(
+        m.codes,
+        m.scale,
+        optax.MaskedNode() if m.expand is None else m.expand,
+        optax.MaskedNode() if m.center is None else m.center,
+    )
+
+
+def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
+    def field(moments, i):
+        return treedef.unflatten([m[i] for m in moments])
+
+    return ScaleByCoatAdamState(
+        count,
+        *(field(mus, i) for i in range(4)),
+        *(field(nus, i) for i in range(4)),
+    )
+
+
+def _moments_of(state: ScaleByCoatAdamState, treedef, prefix: str) -> list[kernels.Moment]:
+    fields = [getattr(state, f"{prefix}_{name}") for name in ("codes", "scale", "expand", "center")]
+    per_field = [treedef.flatten_up_to(f) for f in fields]
+    return [_moment_of(*parts) for parts in zip(*per_field, strict=True)]
+
+
+def coat_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    group_size: int | None = None,
+    expand_min: int = 16,
+    expansion: bool = True,
+    mu_format: str = "e4m3",
+    nu_format: str = "e4m3",
+    fp8_mask: Any | Callable[[optax.Params], Any] | None = None,
+    implementation: str = "auto",
+    interpret: bool = False,
+) -> optax.GradientTransformation:
+    r"""AdamW with FP8 moments (COAT): ``optax.adamw``'s signature and math, quantized state.
+
+    ``chain(scale_by_coat_adam(...), add_decayed_weights(weight_decay, mask),
+    scale_by_learning_rate(learning_rate))``, so per element::
+
+        update = m_hat / (sqrt(v_hat) + eps) + weight_decay * p
+        p_new = p - learning_rate * update
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      b1, b2, eps: as in ``optax.adamw`` (``eps`` outside the square root).
+      weight_decay: decoupled weight decay (uses the parameter before this step).
+      mask: which parameters weight decay applies to (optax's ``MaskOrFn``).
+      group_size, expand_min, expansion, mu_format, nu_format, fp8_mask, implementation,
+        interpret: see :func:`scale_by_coat_adam`.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, coat_jax
+      >>> params = {"w": jnp.zeros((8, 128))}
+      >>> tx = coat_jax.coat_adamw(optax.cosine_decay_schedule(1e-3, 100), weight_decay=0.1)
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.ones((8, 128))}
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+    """
+    return optax.chain(
+        scale_by_coat_adam(
+            b1,
+            b2,
+            eps,
+            group_size=group_size,
+            expand_min=expand_min,
+            expansion=expansion,
+            mu_format=mu_format,
+            nu_format=nu_format,
+            fp8_mask=fp8_mask,
+            implementation=implementation,
+            interpret=interpret,
+        ),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def _unbox(x):
+    # nnx.Optimizer wraps state leaves in nnx.Variable boxes.
+    return x.get_value() if hasattr(x, "get_value") else x
+
+
+def find_coat_states(opt_state) -> list[ScaleByCoatAdamState]:
+    """Every :class:`ScaleByCoatAdamState` inside an optimizer state (chains, wrappers, nnx)."""
+    found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByCoatAdamState))
+    return [
+        jax.tree.map(_unbox, s, is_leaf=lambda x: hasattr(x, "get_value"))
+        for s in found
+        if isinstance(s, ScaleByCoatAdamState)
+    ]
+
+
+def dequantized_moments(opt_state, *, group_size: int = DEFAULT_GROUP_SIZE):
+    """Reads the float32 moments ``(mu, nu)`` back from a COAT optimizer state.
+
+    For diagnostics and tests: it materializes float32 copies of both moments.
+
+    Args:
+      opt_state: the state of ``coat_adamw`` or ``scale_by_coat_adam``, or of anything wrapping
+        them (``optax.chain``, ``inject_hyperparams``, ``MultiSteps``, ``apply_if_finite``,
+        ``nnx.Optimizer.opt_state``). It must hold exactly one COAT state.
+      group_size: the group size the optimizer was built with.
+
+    Returns:
+      Two trees like the parameters, float32.
+    """
+    states = find_coat_states(opt_state)
+    if len(states) != 1:
+        raise ValueError(
+            f"expected exactly one ScaleByCoatAdamState in opt_state, found {len(states)}"
+        )
+    (state,) = states
+    group_size = quant.check_group_size(group_size)
+    treedef = jax.tree.structure(
+        state.mu_codes, is_leaf=lambda x: isinstance(x, (jax.Array, np.ndarray))
+    )
+
+    def read(prefix):
+        return treedef.unflatten(
+            [
+                m.codes if m.scale is None else kernels.dequantize_moment(m, group_size)
+                for m in _moments_of(state, treedef, prefix)
+            ]
+        )
+
+    return read("mu"), read("nu")
