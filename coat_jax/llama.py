@@ -1,0 +1,447 @@
+"""Llama 2/3 decoder in Flax NNX with BF16, FP8-linear and COAT precision modes.
+
+One model code path serves all three modes: every linear, RMSNorm, SiLU, product and residual add
+goes through the `OpSet` that `coat_jax.fp8_ops.ops_for(precision)` returns, so switching modes
+swaps the op implementations and nothing else. Attention stays in the compute dtype (BF16) in
+every mode, as in COAT (SPEC section 3).
+
+Weights are stored `[in, out]` (HF stores `[out, in]`; `coat_jax.checkpoint_io` transposes) and
+q/k/v and gate/up are separate parameters, so the checkpoint name map stays one-to-one; at call
+time they are concatenated so each group is ONE linear, which quantizes (and saves) the shared
+input once instead of three or two times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from coat_jax.fp8_ops import DEFAULT_CONFIG, PRECISIONS, FP8Config, ops_for
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as Hugging Face's `rope_scaling` describes it.
+
+    `linear` divides every frequency by `factor`. `llama3` (Llama 3.1+) divides the low
+    frequencies by `factor`, keeps the high ones and interpolates smoothly in between; it uses
+    `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(
+                f"rope_scaling type {self.rope_type!r} is not supported; valid: "
+                "None (no scaling), 'linear', 'llama3'"
+            )
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor!r}")
+        if self.rope_type == "llama3":
+            missing = [
+                name
+                for name in (
+                    "low_freq_factor",
+                    "high_freq_factor",
+                    "original_max_position_embeddings",
+                )
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(f"llama3 rope_scaling needs {missing}")
+            if not self.high_freq_factor > self.low_freq_factor:
+                raise ValueError(
+                    "llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
+                    f"{self.high_freq_factor!r} <= {self.low_freq_factor!r}"
+                )
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any] | None) -> RopeScaling | None:
+        """Reads HF's `rope_scaling` / `rope_parameters` dict; None or type 'default' -> None."""
+        if d is None:
+            return None
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type == "default":
+            return None
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported; valid: {list(ROPE_TYPES)}"
+            )
+        ompe = d.get("original_max_position_embeddings")
+        return cls(
+            rope_type=rope_type,
+            factor=float(d["factor"]),
+            low_freq_factor=_opt_float(d.get("low_freq_factor")),
+            high_freq_factor=_opt_float(d.get("high_freq_factor")),
+            original_max_position_embeddings=None if ompe is None else int(ompe),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            d["low_freq_factor"] = self.low_freq_factor
+            d["high_freq_factor"] = self.high_freq_factor
+            d["original_max_position_embeddings"] = self.original_max_position_embeddings
+        return d
+
+
+def _opt_float(v):
+    return None if v is None else float(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture of a Llama 2/3 model; field names follow Hugging Face's `LlamaConfig`.
+
+    `rope_scaling` accepts a `RopeScaling` or an HF-style dict (converted on construction, so
+    the config stays hashable). `head_dim=None` means `hidden_size // num_attention_heads`.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(
+                "rope_scaling must be None, a RopeScaling or a dict, got "
+                f"{type(self.rope_scaling).__name__}"
+            )
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"num_attention_heads={self.num_attention_heads} does not divide "
+                    f"hidden_size={self.hidden_size}; pass head_dim explicitly or change them"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int (RoPE), got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> LlamaConfig:
+        """Builds the config from an HF `config.json` (a folder, the file itself, or its dict).
+
+        Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
+        `rope_parameters`. Raises ValueError for a non-Llama model or features this port lacks.
+        """
+        if isinstance(path_or_dict, Mapping):
+            d = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no config.json at {path}")
+            with open(path) as f:
+                d = json.load(f)
+        model_type = d.get("model_type", "llama")
+        if model_type != "llama":
+            raise ValueError(f"not a Llama config: model_type={model_type!r}, expected 'llama'")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported; Llama uses 'silu'")
+        for flag in ("attention_bias", "mlp_bias"):
+            if d.get(flag, False):
+                raise ValueError(f"{flag}=True is not supported by this Llama port")
+        rope_params = d.get("rope_parameters")
+        if rope_params is not None:
+            rope_theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
+            rope_scaling = rope_params
+        else:
+            rope_theta = d.get("rope_theta", 10000.0)
+            rope_scaling = d.get("rope_scaling")
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads"),
+            head_dim=d.get("head_dim"),
+            rope_theta=float(rope_theta),
+            rope_scaling=RopeScaling.from_hf(rope_scaling),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+        )
+
+    def to_hf_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:
+        """An HF `config.json` dict that transformers 4 and 5 both load as this model."""
+        d = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf_dict(),
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        if torch_dtype is not None:
+            d["torch_dtype"] = torch_dtype
+        return d
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, computed as transformers does."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # llama3: long wavelengths (low frequencies) are stretched by `factor`, short ones kept,
+    # and the band in between is interpolated so the spectrum stays continuous.
+    factor = scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates halves (HF's `rotate_half` layout); angles in float32, product in x's dtype."""
+    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
+    cos = jnp.cos(angles_BTH)[:, :, None, :].astype(x_BTNH.dtype)
+    sin = jnp.sin(angles_BTH)[:, :, None, :].astype(x_BTNH.dtype)
+    x1, x2 = jnp.split(x_BTNH, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BTNH * cos + rotated * sin
+
+
+def _attention_impl(dtype) -> str:
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16:
+        return "cudnn"
+    return "xla"
+
+
+def causal_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
+    """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
+
+    On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
+    XLA's version would keep the [B, N, T, T] probabilities, so there it is rematerialized
+    (`jax.checkpoint` keeps the inputs only), as SPEC section 3 asks.
+    """
+    impl = _attention_impl(q_BTNH.dtype)
+    attend = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=impl
+    )
+    if impl == "xla":
+        attend = jax.checkpoint(attend)
+    return attend(q_BTNH, k_BTKH, v_BTKH)
+
+
+def _param(rngs: nnx.Rngs, shape, param_dtype, std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x, ops):
+        return ops.rmsnorm(x, self.weight[...], self.eps)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
+        d, hd = config.hidden_size, config.head_dim
+        n, k = config.num_attention_heads, config.num_key_value_heads
+        std = 0.02
+        self.q_proj = _param(rngs, (d, n * hd), param_dtype, std)
+        self.k_proj = _param(rngs, (d, k * hd), param_dtype, std)
+        self.v_proj = _param(rngs, (d, k * hd), param_dtype, std)
+        self.o_proj = _param(rngs, (n * hd, d), param_dtype, std)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, hd
+
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops):
+        n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # One GEMM for q|k|v so the shared input is quantized and saved once. Cost measured with
+        # print_saved_residuals: ops.linear keeps its `w` for backward, here this fresh concat
+        # (a float32 copy of the three weights per layer), as gate|up below.
+        w_qkv = jnp.concatenate([self.q_proj[...], self.k_proj[...], self.v_proj[...]], axis=1)
+        qkv = ops.linear(x_BTD, w_qkv)
+        q, kk, v = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+        b, t = x_BTD.shape[:2]
+        q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
+        k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
+        v_BTKH = v.reshape(b, t, k, hd)
+        out_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        return ops.linear(out_BTNH.reshape(b, t, n * hd), self.o_proj[...])
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _param(rngs, (d, f), param_dtype, 0.02)
+        self.up_proj = _param(rngs, (d, f), param_dtype, 0.02)
+        self.down_proj = _param(rngs, (f, d), param_dtype, 0.02)
+
+    def __call__(self, x_BTD, ops):
+        w_gate_up = jnp.concatenate([self.gate_proj[...], self.up_proj[...]], axis=1)
+        gate_BTF, up_BTF = jnp.split(ops.linear(x_BTD, w_gate_up), 2, axis=-1)
+        return ops.linear(ops.mul(ops.silu(gate_BTF), up_BTF), self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
+        self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
+        self.mlp = MLP(config, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops):
+        h = self.self_attn(self.input_layernorm(x_BTD, ops), positions_BT, inv_freq, ops)
+        x_BTD = ops.add(x_BTD, h)
+        return ops.add(x_BTD, self.mlp(self.post_attention_layernorm(x_BTD, ops), ops))
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
+    return precision
+
+
+class Llama(nnx.Module):
+    """Llama causal LM: int token ids [batch, seq] -> float32 logits [batch, seq, vocab].
+
+    Args:
+      config: the architecture.
+      precision: "bf16" (plain ops, XLA autodiff), "fp8" (FP8 linear layers only, like
+        TransformerEngine) or "coat" (COAT's full FP8 precision flow, SPEC section 3).
+      dtype: compute dtype of activations and attention (bfloat16; float32 for exactness tests).
+      param_dtype: dtype of the master weights.
+      rngs: initialization randomness (normal, std 0.02, as HF's `initializer_range`).
+      fp8_config: static settings of the FP8 ops (formats, group size, kernels) for "fp8" and
+        "coat"; None means `coat_jax.fp8_ops.DEFAULT_CONFIG`.
+
+    Example:
+      >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+      ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+      >>> logits = Llama(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 8), jnp.int32))
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        precision: str = "bf16",
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        fp8_config: FP8Config | None = None,
+    ):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.precision = check_precision(precision)
+        self.dtype = jnp.dtype(dtype)
+        self.fp8_config = DEFAULT_CONFIG if fp8_config is None else fp8_config
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.embed_tokens = _param(rngs, (config.vocab_size, config.hidden_size), param_dtype, 0.02)
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, param_dtype=param_dtype, rngs=rngs)
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), param_dtype, 0.02)
+
+    def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None):
+        """Logits [B, T, V] in float32; `positions` default to 0..T-1 for every row."""
+        if input_ids_BT.ndim != 2 or not jnp.issubdtype(input_ids_BT.dtype, jnp.integer):
+            raise ValueError(
+                "input_ids must be int token ids of shape [batch, seq], got "
+                f"{input_ids_BT.dtype}{tuple(input_ids_BT.shape)}"
+            )
+        ops = ops_for(self.precision, self.fp8_config)
+        b, t = input_ids_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        inv_freq = rope_inv_freq(self.config)
+        # Gather rows in the master dtype, then cast: casting the whole table first would
+        # materialize a second [vocab, hidden] copy every step.
+        x_BTD = jnp.take(self.embed_tokens[...], input_ids_BT, axis=0).astype(self.dtype)
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, positions_BT, inv_freq, ops)
+        x_BTD = self.norm(x_BTD, ops)
+        if self.config.tie_word_embeddings:
+            w_DV = self.embed_tokens[...].T
+        else:
+            w_DV = self.lm_head[...]
+        return jnp.einsum(
+            "btd,dv->btv", x_BTD, w_DV.astype(self.dtype), preferred_element_type=jnp.float32
+        )
