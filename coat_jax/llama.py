@@ -6,9 +6,9 @@ swaps the op implementations and nothing else. Attention stays in the compute dt
 every mode, as in COAT (SPEC section 3).
 
 Weights are stored `[in, out]` (HF stores `[out, in]`; `coat_jax.checkpoint_io` transposes) and
-q/k/v and gate/up are separate parameters, so the checkpoint name map stays one-to-one; at call
-time they are concatenated so each group is ONE linear, which quantizes (and saves) the shared
-input once instead of three or two times.
+q/k/v and gate/up are separate parameters, so the checkpoint name map stays one-to-one; each group
+goes through ONE `ops.linear` call with a tuple of weights, which quantizes (and saves) the shared
+input once instead of three or two times, without a concatenated weight copy.
 """
 
 from __future__ import annotations
@@ -326,12 +326,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, positions_BT, inv_freq, ops):
         n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        # One GEMM for q|k|v so the shared input is quantized and saved once. Cost measured with
-        # print_saved_residuals: ops.linear keeps its `w` for backward, here this fresh concat
-        # (a float32 copy of the three weights per layer), as gate|up below.
-        w_qkv = jnp.concatenate([self.q_proj[...], self.k_proj[...], self.v_proj[...]], axis=1)
-        qkv = ops.linear(x_BTD, w_qkv)
-        q, kk, v = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+        # One linear call for q, k and v: the shared input is quantized and saved once, and the
+        # weights stay separate (no concatenated copy lives until backward).
+        q, kk, v = ops.linear(x_BTD, (self.q_proj[...], self.k_proj[...], self.v_proj[...]))
         b, t = x_BTD.shape[:2]
         q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
         k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
@@ -348,8 +345,7 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (f, d), param_dtype, 0.02)
 
     def __call__(self, x_BTD, ops):
-        w_gate_up = jnp.concatenate([self.gate_proj[...], self.up_proj[...]], axis=1)
-        gate_BTF, up_BTF = jnp.split(ops.linear(x_BTD, w_gate_up), 2, axis=-1)
+        gate_BTF, up_BTF = ops.linear(x_BTD, (self.gate_proj[...], self.up_proj[...]))
         return ops.linear(ops.mul(ops.silu(gate_BTF), up_BTF), self.down_proj[...])
 
 

@@ -34,9 +34,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from coat_jax import quant
-
-# A module import, not names: pallas_kernels imports coat_jax.quant, so whichever package is
-# imported first sees the other half-initialized; attributes are looked up at call time.
 from pallas_kernels import coat_adam as kernels
 
 DEFAULT_GROUP_SIZE = 128

@@ -1,0 +1,403 @@
+"""Optimizer step on Llama-2-7B's parameter shapes: optax.adamw against coat_adamw (issue 3).
+
+One process, side by side on one device: ``optax.adamw`` (float32 moments),
+``optax.adamw(mu_dtype=bfloat16)``, ``coat_adamw`` on the jnp path (``implementation="xla"``),
+``coat_adamw`` on the Pallas path (the optax chain: the kernel writes the update, XLA applies it)
+and the fused Pallas apply (``pallas_kernels.coat_adam.coat_adamw_apply``: one pass writes the new
+parameter). Each is the full jitted step ``(params, state, grads) -> (params, state)`` with
+params and state donated; params are float32 masters, gradients ``--grad-dtype`` (bf16 default).
+
+Per step it reports the median time (warm-up, then ``--reps`` timings of ``--steps`` back-to-back
+steps, device-synchronised), the bytes the step must move by our count, the achieved bandwidth
+against a device-to-device copy measured in the same run, and the optimizer state's memory (the
+real state leaves' nbytes, and XLA's compiled.memory_analysis()).
+
+    python benchmarks/bench_optimizer.py                       # all 32 layers (6.74B parameters)
+    python benchmarks/bench_optimizer.py --layers 2 --reps 3   # a quick look
+    python benchmarks/bench_optimizer.py --docs docs/benchmarks.md   # also write the results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import coat_jax  # noqa: E402
+from pallas_kernels import coat_adam as ca  # noqa: E402
+
+LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 0.1
+SECTION = "## Optimizer step (issue 3)"
+# --interpret runs the Pallas paths in interpret mode: a CPU smoke test of this script only.
+INTERPRET = False
+
+
+def llama2_7b_shapes(layers: int, hidden=4096, intermediate=11008, vocab=32000):
+    """Llama-2-7B's parameter shapes, Flax layout (kernels are [in, out])."""
+    shapes = {"embed": (vocab, hidden), "final_norm": (hidden,), "lm_head": (hidden, vocab)}
+    for i in range(layers):
+        layer = {name: (hidden, hidden) for name in ("q", "k", "v", "o")}
+        layer |= {"gate": (hidden, intermediate), "up": (hidden, intermediate)}
+        layer |= {"down": (intermediate, hidden), "attn_norm": (hidden,), "mlp_norm": (hidden,)}
+        shapes[f"layer_{i:02d}"] = layer
+    return shapes
+
+
+def is_shape(x):
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def make_tree(shapes, dtype, seed, scale):
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_shape)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    gen = jax.jit(lambda k, s: scale * jax.random.normal(k, s, dtype), static_argnums=1)
+    return treedef.unflatten([gen(k, s) for k, s in zip(keys, leaves, strict=True)])
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def sync(tree):
+    for x in jax.tree.leaves(tree):
+        x.block_until_ready()
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> dict:
+    """Device-to-device copy and a read+write elementwise pass, bytes read plus written / s."""
+    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
+    results = {}
+    for name, fn in (("copy", jax.jit(lambda x: jnp.copy(x))), ("x*2", jax.jit(lambda x: x * 2))):
+        y = fn(x)
+        sync(y)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            y = fn(x)
+            y.block_until_ready()
+            times.append(time.perf_counter() - t0)
+        del y
+        results[name] = 2 * x.nbytes / statistics.median(times)
+    return results
+
+
+def reference_bandwidth(copy_bw: dict) -> float:
+    """The copy figure, unless XLA elided the copy (then the elementwise pass)."""
+    if copy_bw["copy"] > 1.5 * copy_bw["x*2"]:
+        return copy_bw["x*2"]
+    return max(copy_bw.values())
+
+
+def fused_coat_adamw(config: ca.KernelConfig | None):
+    """coat_adamw's state and math, with the fused kernel writing each new parameter."""
+    tx = coat_jax.coat_adamw(LR, B1, B2, EPS, WD, implementation="pallas", interpret=INTERPRET)
+    spec = ca.MomentSpec()
+
+    def unmask(x):
+        return None if isinstance(x, optax.MaskedNode) else x
+
+    def mask(x):
+        return optax.MaskedNode() if x is None else x
+
+    def step(params, state, grads):
+        cs = state[0]
+        count = optax.safe_increment(cs.count)
+        leaves, treedef = jax.tree.flatten(params)
+        fields = cs._fields[1:]
+        per_field = [treedef.flatten_up_to(getattr(cs, f)) for f in fields]
+        new_p, new_fields = [], [[] for _ in fields]
+        for i, (p, g) in enumerate(zip(leaves, treedef.flatten_up_to(grads), strict=True)):
+            parts = [unmask(f[i]) for f in per_field]
+            mu, nu = ca.Moment(*parts[:4]), ca.Moment(*parts[4:])
+            p, mu, nu = ca.coat_adamw_apply(
+                p,
+                g,
+                mu,
+                nu,
+                count=count,
+                b1=B1,
+                b2=B2,
+                eps=EPS,
+                expand_min=16,
+                learning_rate=LR,
+                weight_decay=WD,
+                spec=spec,
+                implementation="pallas",
+                interpret=INTERPRET,
+                config=config,
+            )
+            new_p.append(p)
+            for j, x in enumerate((*mu, *nu)):
+                new_fields[j].append(mask(x))
+        new_cs = type(cs)(count, *(treedef.unflatten(f) for f in new_fields))
+        return treedef.unflatten(new_p), (new_cs, *state[1:])
+
+    return tx.init, step
+
+
+def chain_step(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return tx.init, step
+
+
+def run_optimizer(name, init, step, shapes, grads, args, *, update_bytes_per_step=0):
+    params = make_tree(shapes, jnp.float32, seed=1, scale=0.02)
+    state = init(params)
+    sync(state)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    compiled = jitted.lower(params, state, grads).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    state_bytes = tree_bytes(state)
+    param_bytes = tree_bytes(params)
+    grad_bytes = tree_bytes(grads)
+    for _ in range(args.warmup):
+        params, state = compiled(params, state, grads)
+    sync((params, state))
+    times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            params, state = compiled(params, state, grads)
+        sync((params, state))
+        times.append((time.perf_counter() - t0) / args.steps)
+    finite = bool(all(jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)))
+    del params, state, compiled
+    # Read p, g, the state; write p and the state; the chain also writes and re-reads the update.
+    moved = 2 * param_bytes + grad_bytes + 2 * state_bytes + update_bytes_per_step
+    return {
+        "name": name,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "compile_s": compile_s,
+        "bytes_moved": moved,
+        "state_bytes": state_bytes,
+        "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+        "argument_bytes": getattr(mem, "argument_size_in_bytes", None),
+        "alias_bytes": getattr(mem, "alias_size_in_bytes", None),
+        "params_finite": finite,
+    }
+
+
+def sweep(args, grads_dtype):
+    """Kernel launch settings on one decoder layer's shapes, fused apply."""
+    shapes = {"layer": llama2_7b_shapes(1)["layer_00"]}
+    grads = make_tree(shapes, grads_dtype, seed=2, scale=1e-3)
+    rows = []
+    settings = [(16, 4, True), (32, 4, True), (32, 8, True), (16, 4, False)][: args.sweep]
+    for block_rows, num_warps, fast_math in settings:
+        cfg = ca.KernelConfig(block_rows=block_rows, num_warps=num_warps, fast_math=fast_math)
+        init, step = fused_coat_adamw(cfg)
+        try:
+            r = run_optimizer(str(cfg), init, step, shapes, grads, args)
+        except Exception as e:  # report and carry on: one bad setting must not end the run
+            print(f"sweep {cfg}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
+            continue
+        r["config"] = dict(block_rows=block_rows, num_warps=num_warps, fast_math=fast_math)
+        print(
+            f"sweep bs={block_rows:3d} warps={num_warps} fast={fast_math!s:5}: "
+            f"{r['median_s'] * 1e3:8.3f} ms  {r['bytes_moved'] / r['median_s'] / 1e12:6.2f}"
+            " TB/s",
+            flush=True,
+        )
+        rows.append(r)
+    return rows
+
+
+def markdown(meta, copy_bw, results, sweep_rows):
+    base = next(r for r in results if r["name"] == "optax.adamw (f32 moments)")
+    lines = [
+        SECTION,
+        "",
+        f"- device: {meta['device']} ({meta['platform']}), JAX {meta['jax']}, {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- tree: Llama-2-7B shapes, {meta['layers']} layers, {meta['n_params'] / 1e9:.3f}B "
+        f"parameters in {meta['n_leaves']} arrays; params float32, gradients {meta['grad_dtype']}",
+        f"- copy bandwidth (bytes read + written): jnp.copy {copy_bw['copy'] / 1e12:.2f} TB/s, "
+        f"x*2 {copy_bw['x*2'] / 1e12:.2f} TB/s; the % column uses "
+        f"{reference_bandwidth(copy_bw) / 1e12:.2f} TB/s",
+        f"- timing: {meta['warmup']} warm-up steps, then the median of {meta['reps']} timings of "
+        f"{meta['steps']} back-to-back steps (device-synchronised)",
+        "- bytes/step by our count: read p, g and the state, write p and the state; the optax "
+        "chains of coat_adamw also write and re-read the update (in the gradient dtype). The "
+        "jnp path moves more than its count (it makes several passes): its figure is the "
+        "bandwidth the same work would need.",
+        "",
+        "| optimizer | step ms | vs optax f32 | GB moved | B/param | TB/s | % of copy "
+        "| state GB | state vs optax | XLA temp GB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    bw_ref = reference_bandwidth(copy_bw)
+    for r in results:
+        bw = r["bytes_moved"] / r["median_s"]
+        temp = r["temp_bytes"]
+        lines.append(
+            f"| {r['name']} | {r['median_s'] * 1e3:.2f} | {r['median_s'] / base['median_s']:.2f}x "
+            f"| {r['bytes_moved'] / 1e9:.1f} | {r['bytes_moved'] / meta['n_params']:.2f} "
+            f"| {bw / 1e12:.2f} | {100 * bw / bw_ref:.0f}% | {r['state_bytes'] / 1e9:.2f} "
+            f"| {r['state_bytes'] / base['state_bytes']:.3f}x "
+            f"| {'' if temp is None else f'{temp / 1e9:.2f}'} |"
+        )
+    if sweep_rows:
+        lines += [
+            "",
+            "Kernel launch settings (fused apply, one decoder layer's 9 arrays, "
+            f"{sweep_rows[0]['bytes_moved'] / 1e9:.2f} GB per step):",
+            "",
+            "| block_rows | num_warps | fast_math | step ms | TB/s |",
+            "|---|---|---|---|---|",
+        ]
+        for r in sweep_rows:
+            c = r["config"]
+            lines.append(
+                f"| {c['block_rows']} | {c['num_warps']} | {c['fast_math']} "
+                f"| {r['median_s'] * 1e3:.3f} | {r['bytes_moved'] / r['median_s'] / 1e12:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str):
+    """Replaces this benchmark's section of ``path`` (other sections stay as they are)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    if SECTION in text:
+        start = text.index(SECTION)
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1 :])
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--grad-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=3, help="back-to-back steps per timing")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument(
+        "--sweep", type=int, default=0, metavar="N", help="also time N (<= 4) kernel settings"
+    )
+    ap.add_argument(
+        "--best-full", action="store_true", help="also run the whole tree with the sweep's best"
+    )
+    ap.add_argument("--only", default="", help="comma-separated subset of optimizer names")
+    ap.add_argument("--docs", type=Path, help="markdown file to write the results section into")
+    ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument("--width", type=int, default=1, help="divide every dimension (smoke tests)")
+    ap.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")
+    args = ap.parse_args(argv)
+    global INTERPRET
+    INTERPRET = args.interpret
+
+    dev = jax.devices()[0]
+    meta = {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python " + " ".join(sys.argv),
+        "layers": args.layers,
+        "grad_dtype": args.grad_dtype,
+        "reps": args.reps,
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
+    print(json.dumps(meta), flush=True)
+    copy_bw = copy_bandwidth(int(args.copy_gib * 2**30), reps=20)
+    print({k: f"{v / 1e12:.3f} TB/s" for k, v in copy_bw.items()}, flush=True)
+
+    grad_dtype = jnp.dtype(args.grad_dtype)
+    sweep_rows = sweep(args, grad_dtype) if args.sweep else []
+    best = None
+    if sweep_rows:
+        best = ca.KernelConfig(**min(sweep_rows, key=lambda r: r["median_s"])["config"])
+        print("best kernel setting:", best, flush=True)
+
+    shapes = llama2_7b_shapes(
+        args.layers, 4096 // args.width, 11008 // args.width, 32000 // args.width
+    )
+    grads = make_tree(shapes, grad_dtype, seed=2, scale=1e-3)
+    meta["n_params"] = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=is_shape))
+    meta["n_leaves"] = len(jax.tree.leaves(shapes, is_leaf=is_shape))
+    update_bytes = 2 * tree_bytes(grads)  # the chain's update: written once, read once
+
+    def coat(impl):
+        return coat_jax.coat_adamw(LR, B1, B2, EPS, WD, implementation=impl, interpret=INTERPRET)
+
+    candidates = [
+        ("optax.adamw (f32 moments)", chain_step(optax.adamw(LR, B1, B2, EPS, weight_decay=WD)), 0),
+        (
+            "optax.adamw (bf16 mu)",
+            chain_step(optax.adamw(LR, B1, B2, EPS, weight_decay=WD, mu_dtype=jnp.bfloat16)),
+            0,
+        ),
+        ("coat_adamw pallas (optax chain)", chain_step(coat("pallas")), update_bytes),
+        ("coat_adamw pallas (fused apply)", fused_coat_adamw(None), 0),
+    ]
+    if args.best_full and best is not None and best != ca.DEFAULT_CONFIG:
+        candidates.append((f"fused apply, {best}", fused_coat_adamw(best), 0))
+    # Last: the jnp path compiles slowest, and the others must not wait on it.
+    candidates.append(("coat_adamw jnp (xla)", chain_step(coat("xla")), update_bytes))
+    only = [s for s in args.only.split(",") if s]
+    results = []
+    for name, (init, step), extra in candidates:
+        if only and not any(s in name for s in only):
+            continue
+        try:
+            r = run_optimizer(name, init, step, shapes, grads, args, update_bytes_per_step=extra)
+        except Exception as e:  # report and carry on with the other optimizers
+            print(f"{name}: FAILED {type(e).__name__}: {e}"[:2000], flush=True)
+            continue
+        results.append(r)
+        print(json.dumps(r), flush=True)
+
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"meta": meta, "copy_bw": copy_bw, "results": results, "sweep": sweep_rows},
+                indent=1,
+            )
+        )
+    bw_ref = reference_bandwidth(copy_bw)
+    print(
+        f"\n{meta['device']}, JAX {meta['jax']}, {meta['n_params'] / 1e9:.2f}B params, "
+        f"grads {args.grad_dtype}, copy {bw_ref / 1e12:.2f} TB/s"
+    )
+    print(
+        f"{'optimizer':34s} {'ms':>8s} {'vs f32':>7s} {'TB/s':>6s} {'%copy':>6s} {'state GB':>9s}"
+        f" {'vs f32':>7s}"
+    )
+    base = next((r for r in results if r["name"].startswith("optax.adamw (f32")), None)
+    for r in results:
+        bw = r["bytes_moved"] / r["median_s"]
+        rel_t = r["median_s"] / base["median_s"] if base else float("nan")
+        rel_s = r["state_bytes"] / base["state_bytes"] if base else float("nan")
+        print(
+            f"{r['name'][:34]:34s} {r['median_s'] * 1e3:8.2f} {rel_t:7.2f} {bw / 1e12:6.2f} "
+            f"{100 * bw / bw_ref:5.0f}% {r['state_bytes'] / 1e9:9.2f} {rel_s:7.3f}"
+        )
+    if args.docs and base is not None:
+        write_section(args.docs, markdown(meta, copy_bw, results, sweep_rows))
+        print("wrote", args.docs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,551 @@
+"""COAT's FP8 precision flow for a Llama layer: ops that keep FP8 activations for backward.
+
+Every op here is a ``jax.custom_vjp`` whose forward saves FP8 codes plus float32 scales instead of
+the BF16 tensor XLA's own autodiff would keep (COAT, Xi et al. 2025, section 5; SPEC section 3):
+
+==================  ==========================================  ================================
+op                  saved for backward                          format
+==================  ==========================================  ================================
+``fp8_linear``      the input (one per call: q|k|v and gate|up   E4M3, per-tensor scale
+                    run as one GEMM each, so one copy each)
+``fp8_rmsnorm``     the input (the residual stream), 1/D rstd   E4M3, 1x16 scales
+``fp8_silu``        the input (gate projection output)          E4M3, 1x16 scales
+``fp8_mul``         both inputs (SiLU output, up projection)    E4M3, 1x16 scales
+``fp8_add``         nothing (the residual add's backward is     --
+                    the identity)
+``fp8_swiglu``      gate and up (SiLU recomputed in backward)   E4M3, 1x16 scales
+``fp8_attention``   q, k, v (attention re-run in backward)      E4M3, 1x16 scales
+==================  ==========================================  ================================
+
+``fp8_swiglu`` and ``fp8_attention`` go beyond COAT (which keeps the SiLU output, and BF16 q, k,
+v); :func:`ops_for` does not use them, a model opts in.
+
+FP8 linear: input and weight are quantized to E4M3 with per-tensor scales computed just in time
+by group scaling; the forward GEMM is written as ``dot(convert(x_fp8) * s_x, convert(w_fp8) *
+s_w)``, the pattern XLA's GPU compiler rewrites into cuBLASLt's FP8 GEMM
+(``__cublas$lt$matmul$f8``). Backward quantizes the output gradient per-tensor to E5M2 and runs
+dgrad and wgrad as the same FP8 pattern; the weight is re-quantized from the master weight rather
+than kept as an FP8 copy, and its gradient comes out in the master dtype.
+
+The residual stream travels in BF16 (``fp8_add`` computes the sum in BF16); its FP8 copy is the
+one the next ``fp8_rmsnorm`` makes and saves, and since each residual-stream value feeds exactly
+one RMSNorm there is one FP8 copy of it, as in COAT.
+
+Every saved FP8 tensor passes :func:`materialize` (an optimization barrier), so that XLA cannot
+fold the quantize-dequantize round trip back into the unquantized value. On a GPU the default
+``implementation="auto"`` quantizes in Pallas kernels, whose FP8 outputs XLA cannot see through.
+
+Forward outputs are computed from the exact inputs in float32 (only what backward keeps is
+quantized), which costs no memory and keeps the forward as accurate as BF16 outside the GEMMs.
+
+:func:`ops_for` returns the op set of a precision mode: ``"bf16"`` (plain jnp, XLA autodiff),
+``"fp8"`` (FP8 linear only, like TransformerEngine) or ``"coat"`` (all of the above).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from coat_jax import quant
+from pallas_kernels import fp8_act, fp8_quant
+
+PRECISIONS = ("bf16", "fp8", "coat")
+GEMM_DEQUANT = ("compute", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+    """Static settings of the FP8 ops (hashable: passed as a non-differentiable argument).
+
+    Attributes:
+      act_format: FP8 format of forward activations and weights (SPEC: E4M3).
+      grad_format: FP8 format of output gradients entering backward GEMMs (SPEC: E5M2).
+      group_size: G of the 1xG groups of the non-linear ops and of group scaling (COAT: 16).
+      implementation: "auto" (Pallas kernels on a GPU, XLA elsewhere), "xla" or "pallas", for the
+        quantizers and the fused non-linear kernels. The GEMMs are always XLA dots.
+      interpret: run Pallas kernels in interpret mode (CPU tests).
+      tiles: tile sizes of the Pallas kernels.
+      gemm_dequant: dtype of the ``convert(codes) * scale`` operands of the FP8 GEMM pattern:
+        "float32" (default: on the H200 with JAX 0.11.2, XLA rewrote this spelling to cuBLASLt's
+        FP8 GEMM while a BF16 one went to a Triton BF16 GEMM) or "compute" (the activations'
+        dtype).
+    """
+
+    act_format: str = "e4m3"
+    grad_format: str = "e5m2"
+    group_size: int = 16
+    implementation: str = "auto"
+    interpret: bool = False
+    tiles: fp8_quant.TileConfig = fp8_quant.DEFAULT_TILES
+    gemm_dequant: str = "float32"
+
+    def __post_init__(self):
+        if self.gemm_dequant not in GEMM_DEQUANT:
+            raise ValueError(
+                f"gemm_dequant={self.gemm_dequant!r} is not one of {list(GEMM_DEQUANT)}"
+            )
+        quant.fp8_format(self.act_format)
+        quant.fp8_format(self.grad_format)
+        quant.check_group_size(self.group_size)
+        fp8_quant.check_implementation(self.implementation)
+
+    def kernel_kwargs(self) -> dict:
+        return dict(
+            group_size=self.group_size,
+            implementation=self.implementation,
+            interpret=self.interpret,
+            tiles=self.tiles,
+        )
+
+
+DEFAULT_CONFIG = FP8Config()
+
+
+def _check_float(name: str, x) -> None:
+    dtype = jnp.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype in quant.FORMATS.values():
+        raise TypeError(
+            f"{name} must be a float array (bfloat16, float16 or float32), got dtype {dtype}"
+        )
+
+
+def _check_pair(op: str, a, b) -> None:
+    _check_float("a", a)
+    _check_float("b", b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(
+            f"{op} needs inputs of one shape and dtype, got {a.shape} {a.dtype} and "
+            f"{b.shape} {b.dtype}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 linear
+
+
+def materialize(tree):
+    """Makes XLA keep FP8 codes as FP8 (an optimization barrier on ``tree``).
+
+    With excess precision allowed (XLA's default) the GPU compiler folds a round trip such as
+    ``convert(convert(y, f8), f32)`` back to ``y`` when both ends are in one program: the saved
+    "FP8" activation would silently become the float32 value (4x the memory) and the FP8 GEMM a
+    BF16 one. The barrier pins the quantized value.
+    """
+    return jax.lax.optimization_barrier(tree)
+
+
+def _per_tensor(x, fmt, config: FP8Config):
+    kw = config.kernel_kwargs()
+    return materialize(fp8_quant.quantize_per_tensor(x, fmt=fmt, **kw))
+
+
+def _dequant(codes, scale, dtype):
+    # The convert-then-multiply-by-scalar form is what XLA's GEMM rewriter matches to an FP8 GEMM.
+    return codes.astype(dtype) * scale.astype(dtype)
+
+
+def _fp8_dot(a_codes, a_scale, b_codes, b_scale, contracting, config, compute_dtype, out_dtype):
+    if config.gemm_dequant == "float32":
+        compute_dtype = jnp.float32
+    out = jax.lax.dot_general(
+        _dequant(a_codes, a_scale, compute_dtype),
+        _dequant(b_codes, b_scale, compute_dtype),
+        (contracting, ((), ())),
+        preferred_element_type=out_dtype,
+    )
+    return out.astype(out_dtype)
+
+
+def _as_weights(w) -> tuple:
+    return tuple(w) if isinstance(w, (tuple, list)) else (w,)
+
+
+def _check_linear(x, w):
+    _check_float("x", x)
+    weights = _as_weights(w)
+    if not weights:
+        raise ValueError("fp8_linear needs at least one weight")
+    for wi in weights:
+        _check_float("w", wi)
+        if wi.ndim != 2 or x.ndim < 1 or x.shape[-1] != wi.shape[0]:
+            raise ValueError(
+                f"fp8_linear needs x [..., K] and w [K, N]; got x {x.shape} and w {wi.shape}"
+            )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
+    """``x @ w`` as an FP8 GEMM (E4M3 per-tensor), keeping only FP8 ``x`` for backward.
+
+    ``w`` may also be a tuple of weights sharing the input (q|k|v, gate|up): ``x`` is then
+    quantized and saved once, each weight gets its own per-tensor scale, and a tuple of outputs
+    comes back. Backward keeps references to the caller's master weights (which live anyway) and
+    re-quantizes them, so no FP8 or concatenated weight copy stays alive between the passes.
+
+    Args:
+      x: activations ``[..., K]`` (BF16 or float32).
+      w: master weight ``[K, N]`` (any float dtype), or a tuple of such weights.
+      config: static :class:`FP8Config`.
+
+    Returns:
+      ``[..., N]`` in ``x.dtype`` (a tuple for a tuple ``w``). Weight gradients come back in
+      each weight's dtype.
+
+    Example:
+      >>> x = jnp.ones((2, 8, 32), jnp.bfloat16)
+      >>> fp8_linear(x, jnp.ones((32, 16)), DEFAULT_CONFIG).shape
+      (2, 8, 16)
+    """
+    return _fp8_linear_fwd(x, w, config)[0]
+
+
+def _fp8_linear_fwd(x, w, config):
+    _check_linear(x, w)
+    k = x.shape[-1]
+    # Quantize the 2-D view so that the codes feed the GEMM with no reshape in between (XLA's
+    # FP8 GEMM rewriter only matches convert(codes) * scale directly on the FP8 producer).
+    x_q, x_s = _per_tensor(x.reshape(-1, k), config.act_format, config)
+    ys = []
+    for wi in _as_weights(w):
+        w_q, w_s = _per_tensor(wi, config.act_format, config)
+        y = _fp8_dot(x_q, x_s, w_q, w_s, ((1,), (0,)), config, x.dtype, x.dtype)
+        ys.append(y.reshape(*x.shape[:-1], wi.shape[1]))
+    out = tuple(ys) if isinstance(w, (tuple, list)) else ys[0]
+    return out, (x_q, x_s, w)
+
+
+def _fp8_linear_bwd(config, res, dy):
+    x_q, x_s, w = res
+    weights, dys = _as_weights(w), _as_weights(dy)
+    compute = dys[0].dtype
+    k = weights[0].shape[0]
+    dx, dws = None, []
+    for wi, dyi in zip(weights, dys, strict=True):
+        dy_q, dy_s = _per_tensor(dyi.reshape(-1, wi.shape[1]), config.grad_format, config)
+        w_q, w_s = _per_tensor(wi, config.act_format, config)
+        dx_i = _fp8_dot(dy_q, dy_s, w_q, w_s, ((1,), (1,)), config, compute, jnp.float32)
+        dx = dx_i if dx is None else dx + dx_i
+        dw = _fp8_dot(x_q, x_s, dy_q, dy_s, ((0,), (0,)), config, compute, jnp.float32)
+        dws.append(dw.astype(wi.dtype))
+    dx = dx.astype(compute).reshape(*dys[0].shape[:-1], k)
+    return dx, (type(w)(dws) if isinstance(w, (tuple, list)) else dws[0])
+
+
+fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
+
+
+def fp8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    config: FP8Config = DEFAULT_CONFIG,
+    **unused_kwargs,
+) -> jax.Array:
+    """A ``lax.dot_general``-compatible FP8 linear, for ``nnx.Linear(dot_general=...)``.
+
+    Only the contraction ``nnx.Linear`` performs is accepted: the last axis of ``lhs`` with the
+    first of a 2-D ``rhs``, no batch axes. ``precision`` is ignored (the GEMM is FP8);
+    ``out_sharding`` and other keyword arguments ``nnx.Linear`` forwards are ignored too.
+
+    Example:
+      >>> from flax import nnx
+      >>> layer = nnx.Linear(32, 16, dot_general=fp8_dot_general, rngs=nnx.Rngs(0))
+      >>> layer(jnp.ones((4, 32))).shape
+      (4, 16)
+    """
+    del precision, unused_kwargs
+    expected = (((lhs.ndim - 1,), (0,)), ((), ()))
+    normalized = tuple(
+        tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dimension_numbers
+    )
+    if rhs.ndim != 2 or normalized != expected:
+        raise ValueError(
+            f"fp8_dot_general supports only x [..., K] @ w [K, N], i.e. dimension_numbers "
+            f"{expected} with a 2-D rhs; got {dimension_numbers} with rhs shape {rhs.shape}"
+        )
+    y = fp8_linear(lhs, rhs, config)
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 non-linear ops (1x16 E4M3 residuals)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fp8_rmsnorm(
+    x: jax.Array, weight: jax.Array, eps: float = 1e-6, config: FP8Config = DEFAULT_CONFIG
+) -> jax.Array:
+    """RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``, float32 math) keeping FP8 ``x``.
+
+    Args:
+      x: ``[..., D]``; weight: ``[D]`` (any float dtype); eps: a Python float (static).
+
+    Returns:
+      ``[..., D]`` in ``x.dtype``; ``weight``'s gradient comes back in ``weight.dtype``.
+    """
+    return _fp8_rmsnorm_fwd(x, weight, eps, config)[0]
+
+
+def _fp8_rmsnorm_fwd(x, weight, eps, config):
+    _check_float("x", x)
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rmsnorm weight must have shape {x.shape[-1:]}, got {weight.shape}")
+    y, codes, scale, rstd = fp8_act.rmsnorm_fwd(
+        x, weight, eps, fmt=config.act_format, **config.kernel_kwargs()
+    )
+    return y, (*materialize((codes, scale)), rstd, weight)
+
+
+def _fp8_rmsnorm_bwd(eps, config, res, dy):
+    del eps
+    codes, scale, rstd, weight = res
+    return fp8_act.rmsnorm_bwd(dy, codes, scale, rstd, weight, **config.kernel_kwargs())
+
+
+fp8_rmsnorm.defvjp(_fp8_rmsnorm_fwd, _fp8_rmsnorm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fp8_silu(x: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> jax.Array:
+    """``x * sigmoid(x)`` (float32 math, output in ``x.dtype``) keeping FP8 ``x`` (1x16)."""
+    return _fp8_silu_fwd(x, config)[0]
+
+
+def _fp8_silu_fwd(x, config):
+    _check_float("x", x)
+    y, codes, scale = fp8_act.silu_fwd(x, fmt=config.act_format, **config.kernel_kwargs())
+    return y, materialize((codes, scale))
+
+
+def _fp8_silu_bwd(config, res, dy):
+    return (fp8_act.silu_bwd(dy, *res, **config.kernel_kwargs()),)
+
+
+fp8_silu.defvjp(_fp8_silu_fwd, _fp8_silu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_mul(a: jax.Array, b: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> jax.Array:
+    """``a * b`` (SwiGLU's product) keeping FP8 ``a`` and ``b`` (1x16) for backward."""
+    return _fp8_mul_fwd(a, b, config)[0]
+
+
+def _fp8_mul_fwd(a, b, config):
+    _check_pair("fp8_mul", a, b)
+    y, a_codes, a_scale, b_codes, b_scale = fp8_act.mul_fwd(
+        a, b, fmt=config.act_format, **config.kernel_kwargs()
+    )
+    return y, materialize((a_codes, a_scale, b_codes, b_scale))
+
+
+def _fp8_mul_bwd(config, res, dy):
+    return fp8_act.mul_bwd(dy, *res, **config.kernel_kwargs())
+
+
+fp8_mul.defvjp(_fp8_mul_fwd, _fp8_mul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_swiglu(gate: jax.Array, up: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> jax.Array:
+    """``silu(gate) * up`` keeping only FP8 ``gate`` and ``up`` (1x16); beyond COAT's op list.
+
+    ``fp8_mul(fp8_silu(gate), up)`` keeps three intermediate-size FP8 tensors (gate, SiLU output,
+    up), as COAT does; this fused op keeps two and recomputes the SiLU in backward.
+    """
+    return _fp8_swiglu_fwd(gate, up, config)[0]
+
+
+def _fp8_swiglu_fwd(gate, up, config):
+    _check_pair("fp8_swiglu", gate, up)
+    y, *saved = fp8_act.swiglu_fwd(gate, up, fmt=config.act_format, **config.kernel_kwargs())
+    return y, materialize(tuple(saved))
+
+
+def _fp8_swiglu_bwd(config, res, dy):
+    return fp8_act.swiglu_bwd(dy, *res, **config.kernel_kwargs())
+
+
+fp8_swiglu.defvjp(_fp8_swiglu_fwd, _fp8_swiglu_bwd)
+
+
+def _attend(q, k, v, is_causal):
+    # cuDNN's fused attention on the GPU in BF16, XLA's elsewhere (as jax.nn picks by default).
+    impl = "cudnn" if jax.default_backend() == "gpu" and q.dtype == jnp.bfloat16 else "xla"
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fp8_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    is_causal: bool = True,
+    config: FP8Config = DEFAULT_CONFIG,
+) -> jax.Array:
+    """Attention in BF16 that keeps FP8 q, k, v (1x16 along the head dim) for backward.
+
+    Beyond COAT, which keeps attention's q, k, v (and output) in BF16: backward dequantizes the
+    saved q, k, v and re-runs the attention forward before its backward (one extra attention
+    forward per step). Nothing of the ``[B, N, T, T]`` size is kept on any backend.
+
+    Args:
+      q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (GQA when ``K`` divides ``N``), one dtype.
+      is_causal: static; config: static :class:`FP8Config`.
+    """
+    return _fp8_attention_fwd(q, k, v, is_causal, config)[0]
+
+
+def _fp8_attention_fwd(q, k, v, is_causal, config):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, t)
+        if t.ndim != 4 or t.dtype != q.dtype:
+            raise ValueError(
+                f"fp8_attention needs [B, T, N, H] arrays of one dtype; got {name} "
+                f"{t.shape} {t.dtype} (q is {q.shape} {q.dtype})"
+            )
+    out = _attend(q, k, v, is_causal)
+    kw = config.kernel_kwargs()
+    saved = [fp8_quant.quantize_per_group(t, fmt=config.act_format, **kw) for t in (q, k, v)]
+    return out, materialize(tuple(saved))
+
+
+def _fp8_attention_bwd(is_causal, config, res, dy):
+    q, k, v = (
+        quant.dequantize_absmax(codes, scale, group_size=config.group_size).astype(dy.dtype)
+        for codes, scale in res
+    )
+    _, pullback = jax.vjp(lambda q, k, v: _attend(q, k, v, is_causal), q, k, v)
+    return pullback(dy)
+
+
+fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
+
+
+@jax.custom_vjp
+def fp8_add(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Residual add in the inputs' dtype; its backward needs (and keeps) nothing.
+
+    XLA's autodiff keeps nothing for an add either; this op exists so that the residual stream's
+    FP8 copy is unambiguous: it is the one the consuming :func:`fp8_rmsnorm` saves.
+    """
+    return _fp8_add_fwd(a, b)[0]
+
+
+def _fp8_add_fwd(a, b):
+    _check_pair("fp8_add", a, b)
+    return a + b, None
+
+
+def _fp8_add_bwd(res, dy):
+    del res
+    return dy, dy
+
+
+fp8_add.defvjp(_fp8_add_fwd, _fp8_add_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# plain ops (the "bf16" baseline: what a JAX user writes, XLA autodiff)
+
+
+def linear(x: jax.Array, w):
+    """``x @ w`` in ``x.dtype`` (the master weight is cast to it, as ``nnx.Linear(dtype=...)``).
+
+    A tuple ``w`` gives a tuple of outputs: one dot per weight, so autodiff keeps ``x`` once and
+    no concatenated weight.
+    """
+    if isinstance(w, (tuple, list)):
+        return tuple(linear(x, wi) for wi in w)
+    return jnp.einsum("...k,kn->...n", x, w.astype(x.dtype))
+
+
+def rmsnorm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Hugging Face Llama's RMSNorm: float32 statistics, output in ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def silu(x: jax.Array) -> jax.Array:
+    return jax.nn.silu(x)
+
+
+def mul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return a * b
+
+
+def add(a: jax.Array, b: jax.Array) -> jax.Array:
+    return a + b
+
+
+# --------------------------------------------------------------------------------------------
+# op sets
+
+
+class OpSet(NamedTuple):
+    """The ops a Llama layer needs, for one precision mode (see :func:`ops_for`)."""
+
+    precision: str
+    linear: Callable[[jax.Array, jax.Array], jax.Array]
+    rmsnorm: Callable[[jax.Array, jax.Array, float], jax.Array]
+    silu: Callable[[jax.Array], jax.Array]
+    mul: Callable[[jax.Array, jax.Array], jax.Array]
+    add: Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def ops_for(precision: str, config: FP8Config = DEFAULT_CONFIG) -> OpSet:
+    """The op set of a precision mode.
+
+    Args:
+      precision: ``"bf16"`` (plain jnp with XLA autodiff: the baseline), ``"fp8"`` (FP8 linear
+        layers only, TransformerEngine-style) or ``"coat"`` (COAT's full precision flow).
+      config: static FP8 settings for the FP8 ops.
+
+    Example:
+      >>> ops = ops_for("coat")
+      >>> ops.silu(jnp.ones((2, 32), jnp.bfloat16)).dtype
+      dtype(bfloat16)
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
+    if not isinstance(config, FP8Config):
+        raise TypeError(f"config must be an FP8Config, got {type(config).__name__}")
+    plain = OpSet(precision, linear, rmsnorm, silu, mul, add)
+    if precision == "bf16":
+        return plain
+    fp8_lin = functools.partial(_linear_with_config, config=config)
+    if precision == "fp8":
+        return plain._replace(linear=fp8_lin)
+    return OpSet(
+        precision,
+        linear=fp8_lin,
+        rmsnorm=functools.partial(_rmsnorm_with_config, config=config),
+        silu=functools.partial(_silu_with_config, config=config),
+        mul=functools.partial(_mul_with_config, config=config),
+        add=fp8_add,
+    )
+
+
+def _linear_with_config(x, w, *, config):
+    return fp8_linear(x, w, config)
+
+
+def _rmsnorm_with_config(x, weight, eps=1e-6, *, config):
+    return fp8_rmsnorm(x, weight, float(eps), config)
+
+
+def _silu_with_config(x, *, config):
+    return fp8_silu(x, config)
+
+
+def _mul_with_config(a, b, *, config):
+    return fp8_mul(a, b, config)

@@ -1,0 +1,691 @@
+"""One COAT AdamW step for one parameter: dequantize the FP8 moments, update, re-quantize.
+
+``coat_adam_step`` is the entry point ``coat_jax.scale_by_coat_adam`` calls per parameter. It
+dispatches on ``implementation``: ``"xla"`` runs :func:`coat_adam_step_reference` (plain jnp, the
+CPU path and the numerics contract, SPEC section 2 line by line), ``"pallas"`` the fused kernel
+:func:`coat_adam_step_pallas`, ``"auto"`` the kernel on a GPU and the reference elsewhere.
+
+A moment travels as a :class:`Moment`: codes with the parameter's shape in a float8 dtype and
+float32 per-group statistics of shape ``param.shape[:-1] + (ceil(n / group_size),)``; ``expand``
+and ``center`` are ``None`` without Dynamic Range Expansion.
+
+The kernel (Pallas, Triton backend) does the whole step in one pass over memory: it reads the
+gradient, both moments' codes and statistics, and writes the update, the new codes and the new
+statistics (codes and statistics in place). :func:`coat_adamw_apply` is the same pass that also
+reads the float32 parameter and writes the new parameter instead of the update (decoupled weight
+decay and the learning rate folded in), which saves the update's round trip through memory.
+
+Layout: the parameter is viewed as ``[rows, n]`` and one program handles ``block_rows`` groups.
+When ``n`` is a multiple of the group size the view is ``[rows * n / group_size, group_size]``:
+one group per row, contiguous in memory. Otherwise the view stays ``[rows, n]``, the grid has one
+column of programs per group and the short last group is masked (its missing values read as 0,
+which changes neither absmax nor DRE's statistics).
+
+Numeric hyper-parameters enter as a small float32 vector operand, so one compiled kernel serves
+every step, schedule value and ``inject_hyperparams`` setting. Everything specific to Triton
+(masked loads and stores, inline PTX for ``ex2``/``lg2``, ``num_warps``) sits in the
+``interpret=False`` branch and in :class:`KernelConfig`, so a Mosaic GPU kernel could replace it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from coat_jax import quant
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+class Moment(NamedTuple):
+    """One FP8-quantized moment of one parameter."""
+
+    codes: jax.Array
+    scale: jax.Array
+    expand: jax.Array | None = None
+    center: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentSpec:
+    """Static (structural) quantization settings of the two moments."""
+
+    group_size: int = 128
+    mu_format: str = "e4m3"
+    nu_format: str = "e4m3"
+    expansion: bool = True
+
+    def __post_init__(self):
+        quant.check_group_size(self.group_size)
+        quant.fp8_format(self.mu_format)
+        quant.fp8_format(self.nu_format)
+
+
+def check_implementation(implementation: str) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown implementation {implementation!r}; valid values are {list(IMPLEMENTATIONS)}"
+        )
+    return implementation
+
+
+def resolve_implementation(implementation: str) -> str:
+    """``"auto"`` -> ``"pallas"`` on a GPU backend, ``"xla"`` elsewhere."""
+    check_implementation(implementation)
+    if implementation == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return implementation
+
+
+def quantize_moment(x: jax.Array, fmt: str, spec: MomentSpec, expand_min) -> Moment:
+    """Quantizes a float32 moment as ``spec`` says (DRE or plain absmax)."""
+    if spec.expansion:
+        return Moment(
+            *quant.quantize_dre(x, group_size=spec.group_size, fmt=fmt, expand_min=expand_min)
+        )
+    return Moment(*quant.quantize_absmax(x, group_size=spec.group_size, fmt=fmt))
+
+
+def dequantize_moment(moment: Moment, group_size: int) -> jax.Array:
+    """The float32 moment a :class:`Moment` stands for."""
+    if moment.expand is None:
+        return quant.dequantize_absmax(moment.codes, moment.scale, group_size=group_size)
+    return quant.dequantize_dre(
+        moment.codes, moment.scale, moment.expand, moment.center, group_size=group_size
+    )
+
+
+def adam_moments_and_update(g, m, v, *, count, b1, b2, eps):
+    """SPEC section 2 in float32: new m, v and the Adam direction (no weight decay, no lr)."""
+    g = g.astype(jnp.float32)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    t = jnp.asarray(count, jnp.float32)
+    update = m / (1 - b1**t) / (jnp.sqrt(v / (1 - b2**t)) + eps)
+    return m, v, update
+
+
+def coat_adam_step_reference(
+    grad: jax.Array,
+    mu: Moment,
+    nu: Moment,
+    *,
+    count,
+    b1,
+    b2,
+    eps,
+    expand_min,
+    spec: MomentSpec,
+) -> tuple[jax.Array, Moment, Moment]:
+    """Plain-jnp COAT AdamW step of one parameter.
+
+    Args:
+      grad: the gradient, any float dtype, the parameter's shape.
+      mu, nu: the quantized first and second moments.
+      count: the step number t, starting at 1 (a traced int is fine).
+      b1, b2, eps, expand_min: numeric hyper-parameters (traced values are fine).
+      spec: the static quantization settings.
+
+    Returns:
+      ``(update, new_mu, new_nu)``: the update ``m_hat / (sqrt(v_hat) + eps)`` in ``grad.dtype``
+      and the re-quantized moments.
+    """
+    m = dequantize_moment(mu, spec.group_size)
+    v = dequantize_moment(nu, spec.group_size)
+    m, v, update = adam_moments_and_update(grad, m, v, count=count, b1=b1, b2=b2, eps=eps)
+    return (
+        update.astype(grad.dtype),
+        quantize_moment(m, spec.mu_format, spec, expand_min),
+        quantize_moment(v, spec.nu_format, spec, expand_min),
+    )
+
+
+# --- dispatch -------------------------------------------------------------------------------
+
+
+def _kernel_applies(spec: MomentSpec) -> bool:
+    """Whether the kernel handles ``spec``: Triton tiles need a power-of-two group size."""
+    return spec.group_size & (spec.group_size - 1) == 0
+
+
+def _resolve(implementation: str, spec: MomentSpec, interpret: bool) -> str:
+    impl = resolve_implementation(implementation)
+    if implementation == "auto" and not _kernel_applies(spec):
+        # "auto" means the fastest path that exists; for these group sizes that is XLA's.
+        return "xla"
+    if impl == "pallas":
+        if not _kernel_applies(spec):
+            raise ValueError(
+                f"implementation='pallas' needs a power-of-two group_size, got "
+                f"{spec.group_size}; use implementation='xla' or 'auto' for this group size"
+            )
+        if not interpret and jax.default_backend() != "gpu":
+            raise ValueError(
+                f"implementation='pallas' runs on a GPU, but the default backend is "
+                f"{jax.default_backend()!r}; pass interpret=True, or implementation='xla' or "
+                "'auto'"
+            )
+    return impl
+
+
+def coat_adam_step(
+    grad: jax.Array,
+    mu: Moment,
+    nu: Moment,
+    *,
+    count,
+    b1,
+    b2,
+    eps,
+    expand_min,
+    spec: MomentSpec,
+    implementation: str = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, Moment, Moment]:
+    """COAT AdamW step of one parameter on the chosen implementation (see module docstring).
+
+    ``"auto"`` runs the kernel on a GPU when the group size is a power of two (COAT's 128 is)
+    and the reference otherwise; ``"pallas"`` raises ``ValueError`` where the kernel cannot run.
+    """
+    impl = _resolve(implementation, spec, interpret)
+    kwargs = dict(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
+    if impl == "xla":
+        return coat_adam_step_reference(grad, mu, nu, **kwargs)
+    return coat_adam_step_pallas(grad, mu, nu, interpret=interpret, **kwargs)
+
+
+# --- fused apply: the step plus weight decay, learning rate and the parameter update ---------
+
+
+def apply_update(param, update, *, learning_rate, weight_decay):
+    """``optax.add_decayed_weights``, ``scale_by_learning_rate`` and ``apply_updates`` in one.
+
+    ``p + (u + wd * p) * (-lr)``, cast back to ``p``'s dtype: what ``coat_adamw``'s chain computes
+    for a non-zero weight decay (optax skips the addition for a literal 0, which rounds the
+    scaled update to the gradient's dtype; here it is always float32).
+    """
+    u = update + weight_decay * param
+    return (param + u * (-learning_rate)).astype(param.dtype)
+
+
+def coat_adamw_apply_reference(
+    param, grad, mu, nu, *, count, b1, b2, eps, expand_min, learning_rate, weight_decay, spec
+) -> tuple[jax.Array, Moment, Moment]:
+    """Plain-jnp fused AdamW step of one parameter: ``(new_param, new_mu, new_nu)``."""
+    update, new_mu, new_nu = coat_adam_step_reference(
+        grad, mu, nu, count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec
+    )
+    new_param = apply_update(param, update, learning_rate=learning_rate, weight_decay=weight_decay)
+    return new_param, new_mu, new_nu
+
+
+def coat_adamw_apply(
+    param: jax.Array,
+    grad: jax.Array,
+    mu: Moment,
+    nu: Moment,
+    *,
+    count,
+    b1,
+    b2,
+    eps,
+    expand_min,
+    learning_rate,
+    weight_decay,
+    spec: MomentSpec,
+    implementation: str = "auto",
+    interpret: bool = False,
+    config: KernelConfig | None = None,
+) -> tuple[jax.Array, Moment, Moment]:
+    """One whole COAT AdamW step of one parameter: ``(new_param, new_mu, new_nu)``.
+
+    The same result as ``coat_adamw``'s update followed by ``optax.apply_updates`` (for a
+    non-zero weight decay, see :func:`apply_update`), but on the kernel path in one pass that
+    reads the parameter and writes the new one in place: about 14 bytes per parameter with bf16
+    gradients, against 18 for the update followed by XLA's apply.
+
+    Args:
+      param: the parameter (float32 master weights, typically).
+      grad: its gradient, the parameter's shape, any float dtype.
+      mu, nu: the quantized moments.
+      count: the step number t, starting at 1.
+      b1, b2, eps, expand_min, learning_rate, weight_decay: numeric hyper-parameters (traced
+        values are fine: they reach the kernel as operands).
+      spec: static quantization settings.
+      implementation, interpret: as in :func:`coat_adam_step`.
+      config: kernel launch settings (``None``: :data:`DEFAULT_CONFIG`).
+    """
+    impl = _resolve(implementation, spec, interpret)
+    kwargs = dict(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
+    if impl == "xla":
+        return coat_adamw_apply_reference(
+            param, grad, mu, nu, learning_rate=learning_rate, weight_decay=weight_decay, **kwargs
+        )
+    if param.shape != grad.shape:
+        raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
+    if not jnp.issubdtype(param.dtype, jnp.floating):
+        raise TypeError(f"param must be a float array, got {param.dtype}")
+    hyper = _hyper_vector(
+        spec=spec, learning_rate=learning_rate, weight_decay=weight_decay, **_no_spec(kwargs)
+    )
+    return _fused_call(grad, param, mu, nu, hyper, spec=spec, config=config, interpret=interpret)
+
+
+# --- the kernel -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch settings of the fused kernel (static: one compile per setting and shape).
+
+    Attributes:
+      block_rows: groups per program, a power of two (one group is ``group_size`` values).
+      num_warps: Triton warps per program.
+      num_stages: Triton pipelining stages (the kernel body has no loop to pipeline).
+      fast_math: trade a few float32 ulps for throughput (see ``_Math``): powers through the
+        GPU's approximate ``ex2``/``lg2``, reciprocals, square roots and the update's division
+        through ``rcp.approx``/``sqrt.approx``, divisions by per-group values as products with
+        the reciprocal. Codes change only at rounding ties; the DRE exponent k, which a floor
+        makes discontinuous, and the centre stay exactly the reference's computation. Measured
+        on an H200: 3.4x faster than exact arithmetic (docs/notes_optimizer_kernel.md).
+    """
+
+    # Best of the settings timed on an H200 (docs/benchmarks.md).
+    block_rows: int = 16
+    num_warps: int = 4
+    num_stages: int = 1
+    fast_math: bool = True
+
+    def __post_init__(self):
+        for name in ("block_rows", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two, got {value!r}")
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+# Positions in the float32 hyper-parameter operand (a power-of-two length for Triton).
+_B1, _C1, _B2, _C2, _EPS, _BC1, _BC2, _EXPAND_MIN, _RANGE_MU, _RANGE_NU, _NEG_LR, _WD = range(12)
+_HYPER_SIZE = 16
+
+
+def _no_spec(kwargs):
+    return {k: v for k, v in kwargs.items() if k != "spec"}
+
+
+def _hyper_vector(*, count, b1, b2, eps, expand_min, spec, learning_rate=0.0, weight_decay=0.0):
+    """The numeric hyper-parameters as one float32 vector, computed as the reference does.
+
+    ``1 - b1`` is formed before the cast (in Python double for a Python float, as the reference's
+    ``(1 - b1) * g`` does), and the bias corrections with the reference's expressions, so the
+    kernel multiplies by the very same float32 numbers.
+    """
+    t = jnp.asarray(count, jnp.float32)
+
+    def log2_range(fmt):
+        fmax = quant.FP8_MAX[fmt]
+        return jnp.log2(jnp.float32(fmax * fmax / 2))
+
+    values = [
+        b1,
+        1 - b1,
+        b2,
+        1 - b2,
+        eps,
+        1 - b1**t,
+        1 - b2**t,
+        expand_min,
+        log2_range(spec.mu_format),
+        log2_range(spec.nu_format),
+        -learning_rate,
+        weight_decay,
+    ]
+    vec = jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in values])
+    return jnp.pad(vec, (0, _HYPER_SIZE - len(values)))
+
+
+class _Math:
+    """Element-wise operations whose fast form differs between Triton and interpret mode.
+
+    ``fast=False`` is the reference's own arithmetic. ``fast=True`` trades a few float32 ulps
+    for throughput, since the step is compute-bound on an H200 with exact arithmetic: on the
+    GPU, powers go through the approximate ``ex2``/``lg2`` instructions and reciprocals, square
+    roots and the update's division through ``rcp.approx``/``sqrt.approx``. Interpret mode has
+    no PTX: there the powers run as ``exp2(e * log2(a))`` and the divisions as products with the
+    reciprocal in jnp, the rest exactly. The ``.ftz`` forms appear only where the argument or a
+    flushed result cannot matter (noted at each call).
+    """
+
+    def __init__(self, fast: bool, native: bool):
+        self.fast = fast
+        self.native = fast and native
+
+    def _asm(self, instruction, x):
+        (out,) = pl_triton.elementwise_inline_asm(
+            f"{instruction} $0, $1;",
+            args=[x],
+            constraints="=f,f",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+        )
+        return out
+
+    def power(self, a, e, *, ftz_log=False, ftz_exp=False):
+        """``a ** e`` for ``a >= 0`` and ``e > 0``; ``lg2(0) = -inf`` and ``ex2(-inf) = 0``."""
+        if not self.fast:
+            return jnp.power(a, e)
+        if self.native:
+            lg2 = "lg2.approx.ftz.f32" if ftz_log else "lg2.approx.f32"
+            ex2 = "ex2.approx.ftz.f32" if ftz_exp else "ex2.approx.f32"
+            return self._asm(ex2, e * self._asm(lg2, a))
+        return jnp.exp2(e * jnp.log2(a))
+
+    def reciprocal(self, d):
+        """``1 / d`` of a normal, per-group or scalar ``d`` (flushing is moot).
+
+        Scalars take the exact division: it runs once per program, not per element.
+        """
+        if self.native and jnp.ndim(d) > 0:
+            return self._asm("rcp.approx.ftz.f32", d)
+        return 1.0 / d
+
+    def divide(self, x, d):
+        """``x / d`` for ``d`` constant along the group (a per-group or scalar divisor)."""
+        return x * self.reciprocal(d) if self.fast else x / d
+
+    def adam_direction(self, m_hat, v_hat, eps):
+        """``m_hat / (sqrt(v_hat) + eps)``."""
+        if not self.native:
+            return m_hat / (jnp.sqrt(v_hat) + eps)
+        # sqrt.approx maps +0 to +0 and rcp.approx.ftz is exact enough for eps-sized values.
+        return m_hat * self._asm("rcp.approx.ftz.f32", self._asm("sqrt.approx.f32", v_hat) + eps)
+
+
+def _copysign(magnitude, x):
+    """``sign(x) * magnitude`` for ``magnitude >= 0``, bit for bit (signed zeros included), in
+    two integer operations instead of sign()'s compare-and-select chain and a multiply."""
+    sign_bit = lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-(2**31))
+    return lax.bitcast_convert_type(
+        lax.bitcast_convert_type(magnitude, jnp.int32) | sign_bit, jnp.float32
+    )
+
+
+def _log2_ratio(mx, mn):
+    """``quant.dre_statistics``'s overflow-safe ``log2(mx / mn)`` with two logs instead of three.
+
+    Where ``mx / mn`` is finite this is ``log2(ratio) - log2(1)``, and ``log2(1)`` is exactly 0;
+    elsewhere ``log2(mx) - log2(mn)``: the reference's value bit for bit either way.
+    """
+    ratio = mx / mn
+    finite = jnp.isfinite(ratio)
+    return jnp.log2(jnp.where(finite, ratio, mx)) - jnp.log2(jnp.where(finite, 1.0, mn))
+
+
+def _dequantize(codes, scale, expand, center, math_: _Math):
+    """Float32 moment of one tile, as :func:`dequantize_moment` computes it."""
+    q = codes.astype(jnp.float32)
+    y = q * scale
+    if expand is None:
+        return y
+    # |y| >= smallest code * scale >= 2**-16 / 57344: never subnormal, so lg2 may flush.
+    return _copysign(math_.power(jnp.abs(y), math_.reciprocal(expand), ftz_log=True), y) * center
+
+
+def _quantize(x, fmt, expansion, expand_min, log2_range, math_: _Math):
+    """Codes and statistics of one tile of groups (one group per row), as the reference does.
+
+    The statistics repeat ``quant.dre_statistics`` / ``quant.quantize_absmax`` operation by
+    operation up to the exponent k, which a floor makes discontinuous; the centre and scale,
+    continuous in their inputs, and the per-element work follow ``math_``.
+    """
+    fmax = quant.FP8_MAX[fmt]
+    dtype = quant.FORMATS[fmt]
+    a = jnp.abs(x)
+    if not expansion:
+        scale = (jnp.max(a, axis=1, keepdims=True) + quant.ABSMAX_TINY) / fmax
+        codes = jnp.clip(math_.divide(x, scale), -fmax, fmax).astype(dtype)
+        return codes, (scale,)
+    mx = jnp.max(a, axis=1, keepdims=True) + quant.DRE_TINY
+    nonzero_min = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True)
+    mn = jnp.where(jnp.isfinite(nonzero_min), nonzero_min, 0.0) + quant.DRE_TINY
+    c = jnp.sqrt(mx) * jnp.sqrt(mn)
+    k = jnp.floor(log2_range / _log2_ratio(mx, mn) * expand_min) / expand_min
+    k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)
+    s = math_.divide(math_.power(math_.divide(mx, c), k), fmax)
+    # An ex2 result below 2**-126 ends as code 0 after the division by s >= 1 / fmax, so the
+    # exponential may flush; the log's argument |x / c| stays exact (extreme groups reach
+    # subnormal ratios).
+    y = _copysign(math_.power(jnp.abs(math_.divide(x, c)), k, ftz_exp=True), x)
+    codes = jnp.clip(math_.divide(y, s), -fmax, fmax).astype(dtype)
+    return codes, (s, k, c)
+
+
+def _kernel(
+    hyper_ref,
+    grad_ref,
+    *refs,
+    spec: MomentSpec,
+    n_rows: int,
+    n_cols: int,
+    block_rows: int,
+    apply: bool,
+    fast_math: bool,
+    native: bool,
+):
+    n_moment = 4 if spec.expansion else 2
+    refs = list(refs)
+    param_ref = refs.pop(0) if apply else None
+    mu_in, nu_in = refs[:n_moment], refs[n_moment : 2 * n_moment]
+    out_ref = refs[2 * n_moment]
+    mu_out = refs[2 * n_moment + 1 : 3 * n_moment + 1]
+    nu_out = refs[3 * n_moment + 1 :]
+    gs = spec.group_size
+    math_ = _Math(fast_math, native)
+
+    # Masks only where the shape leaves a ragged edge, so the common case issues plain loads.
+    row_mask = col_mask = None
+    if n_rows % block_rows:
+        rows = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+        row_mask = rows < n_rows
+    if n_cols % gs:
+        cols = pl.program_id(1) * gs + lax.broadcasted_iota(jnp.int32, (1, gs), 1)
+        col_mask = cols < n_cols
+    if row_mask is None or col_mask is None:
+        tile_mask = row_mask if col_mask is None else col_mask
+    else:
+        tile_mask = row_mask & col_mask
+
+    def load(ref, mask, other):
+        if mask is None:
+            return ref[...]
+        return pl_triton.load(ref, mask=mask, other=jnp.asarray(other, ref.dtype))
+
+    def store(ref, value, mask):
+        if mask is None:
+            ref[...] = value.astype(ref.dtype)
+        else:
+            pl_triton.store(ref, value.astype(ref.dtype), mask=mask)
+
+    def moment_in(moment_refs):
+        codes = load(moment_refs[0], tile_mask, 0)
+        # Statistics of padding rows read as 1 so those rows compute finite garbage.
+        stats = [load(r, row_mask, 1) for r in moment_refs[1:]]
+        if not spec.expansion:
+            return _dequantize(codes, stats[0], None, None, math_)
+        return _dequantize(codes, *stats, math_)
+
+    def moment_out(moment_refs, x, fmt, log2_range):
+        codes, stats = _quantize(x, fmt, spec.expansion, expand_min, log2_range, math_)
+        store(moment_refs[0], codes, tile_mask)
+        for r, value in zip(moment_refs[1:], stats, strict=True):
+            store(r, value, row_mask)
+
+    h = [hyper_ref[i] for i in range(_WD + 1)]
+    expand_min = h[_EXPAND_MIN]
+    g = load(grad_ref, tile_mask, 0).astype(jnp.float32)
+    m = moment_in(mu_in)
+    v = moment_in(nu_in)
+    # adam_moments_and_update, operation by operation.
+    m = h[_B1] * m + h[_C1] * g
+    v = h[_B2] * v + h[_C2] * g * g
+    update = math_.adam_direction(math_.divide(m, h[_BC1]), math_.divide(v, h[_BC2]), h[_EPS])
+    update = update.astype(grad_ref.dtype)
+    if apply:
+        p = load(param_ref, tile_mask, 0).astype(jnp.float32)
+        u = update.astype(jnp.float32) + h[_WD] * p
+        store(out_ref, p + u * h[_NEG_LR], tile_mask)
+    else:
+        store(out_ref, update, tile_mask)
+    moment_out(mu_out, m, spec.mu_format, h[_RANGE_MU])
+    moment_out(nu_out, v, spec.nu_format, h[_RANGE_NU])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_moment(name: str, moment: Moment, fmt: str, shape, n_groups: int, spec: MomentSpec):
+    stat_shape = (*shape[:-1], n_groups)
+    if moment.codes.shape != tuple(shape) or moment.codes.dtype != quant.FORMATS[fmt]:
+        raise ValueError(
+            f"{name}.codes must be {quant.FORMATS[fmt]} of shape {tuple(shape)}, got "
+            f"{moment.codes.dtype} of shape {moment.codes.shape}"
+        )
+    stats = [moment.scale] + ([moment.expand, moment.center] if spec.expansion else [])
+    if not spec.expansion and (moment.expand is not None or moment.center is not None):
+        raise ValueError(f"{name} has expand/center statistics but spec.expansion is False")
+    for s in stats:
+        if s is None or s.shape != stat_shape or s.dtype != jnp.float32:
+            raise ValueError(
+                f"{name} statistics must be float32 of shape {stat_shape} (expansion="
+                f"{spec.expansion}), got {None if s is None else (s.dtype, s.shape)}"
+            )
+    return stats
+
+
+def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
+    config = DEFAULT_CONFIG if config is None else config
+    if not jnp.issubdtype(grad.dtype, jnp.floating):
+        raise TypeError(f"grad must be a float array, got {grad.dtype}")
+    if grad.ndim == 0 or grad.size == 0:
+        raise ValueError(f"the kernel needs a non-empty array with an axis, got {grad.shape}")
+    shape = grad.shape
+    gs = spec.group_size
+    n = shape[-1]
+    n_groups = quant.num_groups(n, gs)
+    mu_stats = _check_moment("mu", mu, spec.mu_format, shape, n_groups, spec)
+    nu_stats = _check_moment("nu", nu, spec.nu_format, shape, n_groups, spec)
+    rows = math.prod(shape[:-1])
+    if n % gs == 0:
+        # One group per row, contiguous: the reshapes are free (row-major bitcasts).
+        view_rows, view_cols, view_groups = rows * n_groups, gs, 1
+    else:
+        view_rows, view_cols, view_groups = rows, n, n_groups
+    block_rows = min(config.block_rows, _next_pow2(view_rows))
+    grid = (pl.cdiv(view_rows, block_rows), view_groups)
+
+    data_spec = pl.BlockSpec((block_rows, gs), lambda i, j: (i, j))
+    stat_spec = pl.BlockSpec((block_rows, 1), lambda i, j: (i, j))
+    hyper_spec = pl.BlockSpec((_HYPER_SIZE,), lambda i, j: (0,))
+
+    def data(x):
+        return x.reshape(view_rows, view_cols)
+
+    def stat(x):
+        return x.reshape(view_rows, view_groups)
+
+    apply = param is not None
+    moments_in = [data(mu.codes), *map(stat, mu_stats), data(nu.codes), *map(stat, nu_stats)]
+    moment_specs = [data_spec] + [stat_spec] * len(mu_stats)
+    moment_specs = moment_specs + moment_specs
+    inputs = [hyper, data(grad)] + ([data(param)] if apply else []) + moments_in
+    in_specs = [hyper_spec, data_spec] + ([data_spec] if apply else []) + moment_specs
+    out_dtype = param.dtype if apply else grad.dtype
+    out_shape = [jax.ShapeDtypeStruct((view_rows, view_cols), out_dtype)] + [
+        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in moments_in
+    ]
+    first_moment_input = 3 if apply else 2
+    # New codes and statistics overwrite the old ones (and the new parameter the old one):
+    # the state is donated in a training step, so the step needs no second copy of it.
+    aliases = {first_moment_input + i: 1 + i for i in range(len(moments_in))}
+    if apply:
+        aliases[2] = 0
+    kernel = functools.partial(
+        _kernel,
+        spec=spec,
+        n_rows=view_rows,
+        n_cols=view_cols,
+        block_rows=block_rows,
+        apply=apply,
+        fast_math=config.fast_math,
+        native=not interpret,
+    )
+    compiler_params = (
+        None
+        if interpret
+        else pl_triton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    )
+    out, *moments_out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[data_spec] + moment_specs,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="coat_adamw_apply" if apply else "coat_adam_step",
+    )(*inputs)
+
+    n_moment = len(mu_stats) + 1
+    stat_shape = (*shape[:-1], n_groups)
+
+    def moment(parts):
+        codes, *stats = parts
+        stats = [s.reshape(stat_shape) for s in stats]
+        if not spec.expansion:
+            return Moment(codes.reshape(shape), stats[0])
+        return Moment(codes.reshape(shape), *stats)
+
+    return (
+        out.reshape(shape),
+        moment(moments_out[:n_moment]),
+        moment(moments_out[n_moment:]),
+    )
+
+
+def coat_adam_step_pallas(
+    grad: jax.Array,
+    mu: Moment,
+    nu: Moment,
+    *,
+    count,
+    b1,
+    b2,
+    eps,
+    expand_min,
+    spec: MomentSpec,
+    interpret: bool = False,
+    config: KernelConfig | None = None,
+) -> tuple[jax.Array, Moment, Moment]:
+    """The fused kernel version of :func:`coat_adam_step_reference` (same arguments, same result
+    to float32 rounding; codes equal except at rounding ties).
+
+    ``interpret=True`` runs the kernel body through XLA (CPU tests); ``config`` sets the launch
+    (``None``: :data:`DEFAULT_CONFIG`). Needs a power-of-two ``spec.group_size``.
+    """
+    if not _kernel_applies(spec):
+        raise ValueError(
+            f"the Pallas kernel needs a power-of-two group_size, got {spec.group_size}"
+        )
+    hyper = _hyper_vector(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
+    return _fused_call(grad, None, mu, nu, hyper, spec=spec, config=config, interpret=interpret)

@@ -1,0 +1,570 @@
+"""Non-linear ops of COAT's precision flow fused with their 1xG FP8 quantization, fwd and bwd.
+
+Each op computes its forward output from the exact (BF16) input in float32 and, in the same pass,
+writes the FP8 E4M3 codes and float32 1xG scales of the input(s) that its backward needs; the
+backward reads those codes instead of a BF16 copy (SPEC section 3):
+
+* RMSNorm: ``y = w * (x * rsqrt(mean(x^2) + eps))`` (Hugging Face Llama's rounding); saves
+  FP8 ``x`` and the float32 per-row ``rsqrt`` (one number per row, 1/D of the activation).
+* SiLU: ``y = x * sigmoid(x)``; saves FP8 ``x``.
+* product: ``y = a * b``; saves FP8 ``a`` and FP8 ``b``.
+* SwiGLU (beyond COAT's op list): ``y = silu(gate) * up``; saves FP8 ``gate`` and ``up`` only and
+  recomputes the SiLU in backward, so the SiLU output is never kept.
+
+Every op has a plain-jnp ``*_reference`` (the CPU path and the numerics contract) and a Pallas
+Triton kernel; the public entry points (``rmsnorm_fwd``, ``rmsnorm_bwd``, ``silu_fwd``, ...) take
+``implementation="auto" | "xla" | "pallas"`` and ``interpret`` like the quantizers in
+:mod:`pallas_kernels.fp8_quant`, whose tile layout (``[M, D / G, G]`` tiles) they share.
+RMSNorm's kernels hold whole rows, so they need ``D / G`` to be a power of two;
+:func:`pallas_supports` says whether a shape fits, and ``auto`` uses the reference when not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from coat_jax import quant
+from pallas_kernels.fp8_quant import (
+    DEFAULT_TILES,
+    group_quantize_tile,
+    grouped_view,
+    pow2_divisor,
+    resolve_implementation,
+    tiles_for,
+)
+
+OPS = ("rmsnorm", "silu", "mul", "swiglu")
+
+
+def pallas_supports(op: str, shape: tuple[int, ...], group_size: int = 16) -> bool:
+    """Whether the Pallas kernels of ``op`` handle an input of ``shape``."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; valid ops are {list(OPS)}")
+    if len(shape) == 0 or shape[-1] % group_size:
+        return False
+    groups = shape[-1] // group_size
+    return op != "rmsnorm" or groups & (groups - 1) == 0
+
+
+def choose(op: str, shape, group_size: int, implementation: str) -> str:
+    """``"auto"`` -> Pallas on a GPU for supported shapes, else XLA; explicit choices are kept."""
+    impl = resolve_implementation(implementation)
+    if implementation == "auto" and impl == "pallas" and not pallas_supports(op, shape, group_size):
+        return "xla"
+    if impl == "pallas" and not pallas_supports(op, shape, group_size):
+        raise ValueError(
+            f"the Pallas {op} kernel does not support shape {tuple(shape)} with group_size "
+            f"{group_size} (needs the last axis a multiple of the group size"
+            + (", and a power-of-two number of groups)" if op == "rmsnorm" else ")")
+            + "; use implementation='xla' or 'auto'"
+        )
+    return impl
+
+
+def _dequant(codes, scale, group_size):
+    return quant.dequantize_absmax(codes, scale, group_size=group_size)
+
+
+# --------------------------------------------------------------------------------------------
+# references
+
+
+def rmsnorm_fwd_reference(x, w, eps: float, *, group_size: int = 16, fmt: str = "e4m3"):
+    """``(y, codes, scale, rstd)``; ``rstd [..., 1]`` float32, ``y`` in ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = w.astype(x.dtype) * (x32 * rstd).astype(x.dtype)
+    q = quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
+    return y, q.codes, q.scale, rstd
+
+
+def rmsnorm_bwd_reference(dy, codes, scale, rstd, w, *, group_size: int = 16):
+    """``(dx in dy.dtype, dw in w.dtype)`` from the saved FP8 input."""
+    n = _dequant(codes, scale, group_size) * rstd
+    dy32 = dy.astype(jnp.float32)
+    # The forward rounds the normalized value to x.dtype before the weight multiply.
+    n_rounded = n.astype(dy.dtype).astype(jnp.float32)
+    dw = jnp.sum((dy32 * n_rounded).reshape(-1, n.shape[-1]), axis=0)
+    dn = dy32 * w.astype(dy.dtype).astype(jnp.float32)
+    dx = rstd * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    return dx.astype(dy.dtype), dw.astype(w.dtype)
+
+
+def silu32(x32):
+    # exp rather than lax.logistic so that the kernel and the reference share one formula.
+    return x32 / (1.0 + jnp.exp(-x32))
+
+
+def silu_fwd_reference(x, *, group_size: int = 16, fmt: str = "e4m3"):
+    """``(y, codes, scale)``: ``y = silu(x)`` in float32 math, output in ``x.dtype``."""
+    y = silu32(x.astype(jnp.float32)).astype(x.dtype)
+    q = quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
+    return y, q.codes, q.scale
+
+
+def silu_grad(x32):
+    sig = 1.0 / (1.0 + jnp.exp(-x32))
+    return sig * (1.0 + x32 * (1.0 - sig))
+
+
+def silu_bwd_reference(dy, codes, scale, *, group_size: int = 16):
+    x = _dequant(codes, scale, group_size)
+    return (dy.astype(jnp.float32) * silu_grad(x)).astype(dy.dtype)
+
+
+def swiglu_fwd_reference(gate, up, *, group_size: int = 16, fmt: str = "e4m3"):
+    """``(y, gate_codes, gate_scale, up_codes, up_scale)``, ``y = silu(gate) * up``."""
+    g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
+    y = (silu32(g32) * u32).astype(jnp.result_type(gate, up))
+    qg = quant.quantize_absmax(gate, group_size=group_size, fmt=fmt)
+    qu = quant.quantize_absmax(up, group_size=group_size, fmt=fmt)
+    return y, qg.codes, qg.scale, qu.codes, qu.scale
+
+
+def swiglu_grads(dy32, g32, u32):
+    """``(d gate, d up)`` of ``silu(gate) * up`` in float32."""
+    sig = 1.0 / (1.0 + jnp.exp(-g32))
+    return dy32 * u32 * sig * (1.0 + g32 * (1.0 - sig)), dy32 * g32 * sig
+
+
+def swiglu_bwd_reference(dy, g_codes, g_scale, u_codes, u_scale, *, group_size: int = 16):
+    dg, du = swiglu_grads(
+        dy.astype(jnp.float32),
+        _dequant(g_codes, g_scale, group_size),
+        _dequant(u_codes, u_scale, group_size),
+    )
+    return dg.astype(dy.dtype), du.astype(dy.dtype)
+
+
+def mul_fwd_reference(a, b, *, group_size: int = 16, fmt: str = "e4m3"):
+    """``(y, a_codes, a_scale, b_codes, b_scale)`` with ``y = a * b`` in the inputs' dtype."""
+    y = (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(jnp.result_type(a, b))
+    qa = quant.quantize_absmax(a, group_size=group_size, fmt=fmt)
+    qb = quant.quantize_absmax(b, group_size=group_size, fmt=fmt)
+    return y, qa.codes, qa.scale, qb.codes, qb.scale
+
+
+def mul_bwd_reference(dy, a_codes, a_scale, b_codes, b_scale, *, group_size: int = 16):
+    dy32 = dy.astype(jnp.float32)
+    da = dy32 * _dequant(b_codes, b_scale, group_size)
+    db = dy32 * _dequant(a_codes, a_scale, group_size)
+    return da.astype(dy.dtype), db.astype(dy.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas kernels (tiles of [rows, groups, G]; see the module docstring)
+
+
+def _rmsnorm_fwd_kernel(x_ref, w_ref, y_ref, q_ref, s_ref, r_ref, *, eps, fmt):
+    x = x_ref[...].astype(jnp.float32)
+    d = x.shape[-2] * x.shape[-1]
+    rstd = jax.lax.rsqrt(jnp.sum(jnp.sum(x * x, axis=-1), axis=-1) / d + eps)
+    normed = (x * rstd[:, None, None]).astype(y_ref.dtype)
+    y_ref[...] = w_ref[...].astype(y_ref.dtype)[None] * normed
+    q_ref[...], s_ref[...] = group_quantize_tile(x, fmt)
+    r_ref[...] = rstd
+
+
+def _rmsnorm_bwd_kernel(dy_ref, q_ref, s_ref, r_ref, w_ref, dx_ref, dw_ref):
+    rstd = r_ref[...][:, None, None]
+    n = q_ref[...].astype(jnp.float32) * s_ref[...][..., None] * rstd
+    dy = dy_ref[...].astype(jnp.float32)
+    n_rounded = n.astype(dy_ref.dtype).astype(jnp.float32)
+    dw_ref[...] = jnp.sum(dy * n_rounded, axis=0)[None]
+    dn = dy * w_ref[...].astype(dy_ref.dtype).astype(jnp.float32)[None]
+    d = n.shape[-2] * n.shape[-1]
+    c = jnp.sum(jnp.sum(dn * n, axis=-1), axis=-1) / d
+    dx_ref[...] = (rstd * (dn - n * c[:, None, None])).astype(dx_ref.dtype)
+
+
+def _silu_fwd_kernel(x_ref, y_ref, q_ref, s_ref, *, fmt):
+    x = x_ref[...].astype(jnp.float32)
+    y_ref[...] = silu32(x).astype(y_ref.dtype)
+    q_ref[...], s_ref[...] = group_quantize_tile(x, fmt)
+
+
+def _silu_bwd_kernel(dy_ref, q_ref, s_ref, dx_ref):
+    x = q_ref[...].astype(jnp.float32) * s_ref[...][..., None]
+    dx_ref[...] = (dy_ref[...].astype(jnp.float32) * silu_grad(x)).astype(dx_ref.dtype)
+
+
+def _mul_fwd_kernel(a_ref, b_ref, y_ref, qa_ref, sa_ref, qb_ref, sb_ref, *, fmt):
+    a = a_ref[...].astype(jnp.float32)
+    b = b_ref[...].astype(jnp.float32)
+    y_ref[...] = (a * b).astype(y_ref.dtype)
+    qa_ref[...], sa_ref[...] = group_quantize_tile(a, fmt)
+    qb_ref[...], sb_ref[...] = group_quantize_tile(b, fmt)
+
+
+def _mul_bwd_kernel(dy_ref, qa_ref, sa_ref, qb_ref, sb_ref, da_ref, db_ref):
+    dy = dy_ref[...].astype(jnp.float32)
+    a = qa_ref[...].astype(jnp.float32) * sa_ref[...][..., None]
+    b = qb_ref[...].astype(jnp.float32) * sb_ref[...][..., None]
+    da_ref[...] = (dy * b).astype(da_ref.dtype)
+    db_ref[...] = (dy * a).astype(db_ref.dtype)
+
+
+def _swiglu_fwd_kernel(g_ref, u_ref, y_ref, qg_ref, sg_ref, qu_ref, su_ref, *, fmt):
+    g = g_ref[...].astype(jnp.float32)
+    u = u_ref[...].astype(jnp.float32)
+    y_ref[...] = (silu32(g) * u).astype(y_ref.dtype)
+    qg_ref[...], sg_ref[...] = group_quantize_tile(g, fmt)
+    qu_ref[...], su_ref[...] = group_quantize_tile(u, fmt)
+
+
+def _swiglu_bwd_kernel(dy_ref, qg_ref, sg_ref, qu_ref, su_ref, dg_ref, du_ref):
+    g = qg_ref[...].astype(jnp.float32) * sg_ref[...][..., None]
+    u = qu_ref[...].astype(jnp.float32) * su_ref[...][..., None]
+    dg, du = swiglu_grads(dy_ref[...].astype(jnp.float32), g, u)
+    dg_ref[...] = dg.astype(dg_ref.dtype)
+    du_ref[...] = du.astype(du_ref.dtype)
+
+
+def _elementwise_call(kernel, name, inputs, outputs, group_size, tiles, interpret):
+    """Runs ``kernel`` over ``[bm, bg, G]`` tiles of same-shaped ``inputs``.
+
+    ``inputs`` and ``outputs`` are lists of ``("x", array-or-ShapeDtypeStruct)`` (a full tensor
+    ``[..., D]``) or ``("s", ...)`` (its 1xG scales ``[..., D / G]``); outputs come back in the
+    same layouts, reshaped to the first input's leading shape.
+    """
+    full = next(a for kind, a in inputs if kind == "x")
+    lead, d = full.shape[:-1], full.shape[-1]
+    m, g = full.size // d, d // group_size
+    bm, bg = tiles_for(m, g, tiles)
+
+    def spec(kind):
+        if kind == "x":
+            return pl.BlockSpec((bm, bg, group_size), lambda i, j: (i, j, 0))
+        return pl.BlockSpec((bm, bg), lambda i, j: (i, j))
+
+    def view(kind, a):
+        return grouped_view(a, group_size) if kind == "x" else a.reshape(m, g)
+
+    def out_struct(kind, dtype):
+        shape = (m, g, group_size) if kind == "x" else (m, g)
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    results = pl.pallas_call(
+        kernel,
+        grid=(m // bm, g // bg),
+        in_specs=[spec(kind) for kind, _ in inputs],
+        out_specs=[spec(kind) for kind, _ in outputs],
+        out_shape=[out_struct(kind, dtype) for kind, dtype in outputs],
+        compiler_params=tiles.compiler_params(),
+        interpret=interpret,
+        name=name,
+    )(*[view(kind, a) for kind, a in inputs])
+    return [
+        r.reshape(*lead, d) if kind == "x" else r.reshape(*lead, g)
+        for (kind, _), r in zip(outputs, results, strict=True)
+    ]
+
+
+def _row_specs(bm, g, group_size):
+    return (
+        pl.BlockSpec((bm, g, group_size), lambda i: (i, 0, 0)),
+        pl.BlockSpec((bm, g), lambda i: (i, 0)),
+        pl.BlockSpec((bm,), lambda i: (i,)),
+        pl.BlockSpec((g, group_size), lambda i: (0, 0)),
+    )
+
+
+def rmsnorm_fwd_pallas(
+    x, w, eps, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False
+):
+    x3 = grouped_view(x, group_size)
+    m, g, _ = x3.shape
+    bm = pow2_divisor(m, tiles.norm_block_rows)
+    full, scales, rows, weight = _row_specs(bm, g, group_size)
+    y, codes, scale, rstd = pl.pallas_call(
+        functools.partial(_rmsnorm_fwd_kernel, eps=float(eps), fmt=fmt),
+        grid=(m // bm,),
+        in_specs=[full, weight],
+        out_specs=[full, full, scales, rows],
+        out_shape=[
+            jax.ShapeDtypeStruct(x3.shape, x.dtype),
+            jax.ShapeDtypeStruct(x3.shape, quant.FORMATS[fmt]),
+            jax.ShapeDtypeStruct((m, g), jnp.float32),
+            jax.ShapeDtypeStruct((m,), jnp.float32),
+        ],
+        compiler_params=tiles.norm_compiler_params(),
+        interpret=interpret,
+        name="fp8_rmsnorm_fwd",
+    )(x3, w.reshape(g, group_size))
+    lead = x.shape[:-1]
+    return (
+        y.reshape(x.shape),
+        codes.reshape(x.shape),
+        scale.reshape(*lead, g),
+        rstd.reshape(*lead, 1),
+    )
+
+
+def rmsnorm_bwd_pallas(
+    dy, codes, scale, rstd, w, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
+):
+    dy3 = grouped_view(dy, group_size)
+    m, g, _ = dy3.shape
+    bm = pow2_divisor(m, tiles.norm_block_rows)
+    full, scales, rows, weight = _row_specs(bm, g, group_size)
+    dx, dw_parts = pl.pallas_call(
+        _rmsnorm_bwd_kernel,
+        grid=(m // bm,),
+        in_specs=[full, full, scales, rows, weight],
+        out_specs=[full, pl.BlockSpec((1, g, group_size), lambda i: (i, 0, 0))],
+        out_shape=[
+            jax.ShapeDtypeStruct(dy3.shape, dy.dtype),
+            jax.ShapeDtypeStruct((m // bm, g, group_size), jnp.float32),
+        ],
+        compiler_params=tiles.norm_compiler_params(),
+        interpret=interpret,
+        name="fp8_rmsnorm_bwd",
+    )(
+        dy3,
+        grouped_view(codes, group_size),
+        scale.reshape(m, g),
+        rstd.reshape(m),
+        w.reshape(g, group_size),
+    )
+    dw = jnp.sum(dw_parts, axis=0).reshape(w.shape)
+    return dx.reshape(dy.shape), dw.astype(w.dtype)
+
+
+def silu_fwd_pallas(x, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
+    fp8 = quant.FORMATS[fmt]
+    return tuple(
+        _elementwise_call(
+            functools.partial(_silu_fwd_kernel, fmt=fmt),
+            "fp8_silu_fwd",
+            [("x", x)],
+            [("x", x.dtype), ("x", fp8), ("s", jnp.float32)],
+            group_size,
+            tiles,
+            interpret,
+        )
+    )
+
+
+def silu_bwd_pallas(dy, codes, scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False):
+    (dx,) = _elementwise_call(
+        _silu_bwd_kernel,
+        "fp8_silu_bwd",
+        [("x", dy), ("x", codes), ("s", scale)],
+        [("x", dy.dtype)],
+        group_size,
+        tiles,
+        interpret,
+    )
+    return dx
+
+
+def mul_fwd_pallas(a, b, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
+    fp8 = quant.FORMATS[fmt]
+    return tuple(
+        _elementwise_call(
+            functools.partial(_mul_fwd_kernel, fmt=fmt),
+            "fp8_mul_fwd",
+            [("x", a), ("x", b)],
+            [("x", jnp.result_type(a, b))] + [("x", fp8), ("s", jnp.float32)] * 2,
+            group_size,
+            tiles,
+            interpret,
+        )
+    )
+
+
+def swiglu_fwd_pallas(gate, up, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
+    fp8 = quant.FORMATS[fmt]
+    return tuple(
+        _elementwise_call(
+            functools.partial(_swiglu_fwd_kernel, fmt=fmt),
+            "fp8_swiglu_fwd",
+            [("x", gate), ("x", up)],
+            [("x", jnp.result_type(gate, up))] + [("x", fp8), ("s", jnp.float32)] * 2,
+            group_size,
+            tiles,
+            interpret,
+        )
+    )
+
+
+def swiglu_bwd_pallas(
+    dy, g_codes, g_scale, u_codes, u_scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
+):
+    dg, du = _elementwise_call(
+        _swiglu_bwd_kernel,
+        "fp8_swiglu_bwd",
+        [("x", dy), ("x", g_codes), ("s", g_scale), ("x", u_codes), ("s", u_scale)],
+        [("x", dy.dtype), ("x", dy.dtype)],
+        group_size,
+        tiles,
+        interpret,
+    )
+    return dg, du
+
+
+def mul_bwd_pallas(
+    dy, a_codes, a_scale, b_codes, b_scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
+):
+    da, db = _elementwise_call(
+        _mul_bwd_kernel,
+        "fp8_mul_bwd",
+        [("x", dy), ("x", a_codes), ("s", a_scale), ("x", b_codes), ("s", b_scale)],
+        [("x", dy.dtype), ("x", dy.dtype)],
+        group_size,
+        tiles,
+        interpret,
+    )
+    return da, db
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+
+
+def rmsnorm_fwd(
+    x,
+    w,
+    eps: float,
+    *,
+    group_size=16,
+    fmt="e4m3",
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+):
+    """Fused RMSNorm forward + 1xG quantization of ``x``: ``(y, codes, scale, rstd [..., 1])``."""
+    quant.fp8_format(fmt)
+    if choose("rmsnorm", x.shape, group_size, implementation) == "xla":
+        return rmsnorm_fwd_reference(x, w, eps, group_size=group_size, fmt=fmt)
+    return rmsnorm_fwd_pallas(
+        x, w, eps, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret
+    )
+
+
+def rmsnorm_bwd(
+    dy,
+    codes,
+    scale,
+    rstd,
+    w,
+    *,
+    group_size=16,
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+):
+    """RMSNorm backward from the saved FP8 input: ``(dx, dw)``."""
+    if choose("rmsnorm", dy.shape, group_size, implementation) == "xla":
+        return rmsnorm_bwd_reference(dy, codes, scale, rstd, w, group_size=group_size)
+    return rmsnorm_bwd_pallas(
+        dy, codes, scale, rstd, w, group_size=group_size, tiles=tiles, interpret=interpret
+    )
+
+
+def silu_fwd(
+    x, *, group_size=16, fmt="e4m3", implementation="auto", interpret=False, tiles=DEFAULT_TILES
+):
+    """Fused SiLU forward + 1xG quantization of ``x``: ``(y, codes, scale)``."""
+    quant.fp8_format(fmt)
+    if choose("silu", x.shape, group_size, implementation) == "xla":
+        return silu_fwd_reference(x, group_size=group_size, fmt=fmt)
+    return silu_fwd_pallas(x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret)
+
+
+def silu_bwd(
+    dy, codes, scale, *, group_size=16, implementation="auto", interpret=False, tiles=DEFAULT_TILES
+):
+    """SiLU backward from the saved FP8 input: ``dx``."""
+    if choose("silu", dy.shape, group_size, implementation) == "xla":
+        return silu_bwd_reference(dy, codes, scale, group_size=group_size)
+    return silu_bwd_pallas(
+        dy, codes, scale, group_size=group_size, tiles=tiles, interpret=interpret
+    )
+
+
+def mul_fwd(
+    a, b, *, group_size=16, fmt="e4m3", implementation="auto", interpret=False, tiles=DEFAULT_TILES
+):
+    """Fused product + 1xG quantization of both inputs: ``(y, a_codes, a_scale, b_codes, b_scale)``."""
+    quant.fp8_format(fmt)
+    if choose("mul", a.shape, group_size, implementation) == "xla":
+        return mul_fwd_reference(a, b, group_size=group_size, fmt=fmt)
+    return mul_fwd_pallas(a, b, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret)
+
+
+def mul_bwd(
+    dy,
+    a_codes,
+    a_scale,
+    b_codes,
+    b_scale,
+    *,
+    group_size=16,
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+):
+    """Product backward from the saved FP8 inputs: ``(da, db)``."""
+    if choose("mul", dy.shape, group_size, implementation) == "xla":
+        return mul_bwd_reference(dy, a_codes, a_scale, b_codes, b_scale, group_size=group_size)
+    return mul_bwd_pallas(
+        dy,
+        a_codes,
+        a_scale,
+        b_codes,
+        b_scale,
+        group_size=group_size,
+        tiles=tiles,
+        interpret=interpret,
+    )
+
+
+def swiglu_fwd(
+    gate,
+    up,
+    *,
+    group_size=16,
+    fmt="e4m3",
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+):
+    """Fused ``silu(gate) * up`` + 1xG quantization of both inputs (SiLU recomputed in backward)."""
+    quant.fp8_format(fmt)
+    if choose("swiglu", gate.shape, group_size, implementation) == "xla":
+        return swiglu_fwd_reference(gate, up, group_size=group_size, fmt=fmt)
+    return swiglu_fwd_pallas(
+        gate, up, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret
+    )
+
+
+def swiglu_bwd(
+    dy,
+    g_codes,
+    g_scale,
+    u_codes,
+    u_scale,
+    *,
+    group_size=16,
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+):
+    """SwiGLU backward from the saved FP8 gate and up: ``(d gate, d up)``."""
+    if choose("swiglu", dy.shape, group_size, implementation) == "xla":
+        return swiglu_bwd_reference(dy, g_codes, g_scale, u_codes, u_scale, group_size=group_size)
+    return swiglu_bwd_pallas(
+        dy,
+        g_codes,
+        g_scale,
+        u_codes,
+        u_scale,
+        group_size=group_size,
+        tiles=tiles,
+        interpret=interpret,
+    )

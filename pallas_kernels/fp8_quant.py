@@ -1,0 +1,301 @@
+"""FP8 quantizers of the activation precision flow: per-group 1xG and per-tensor with group scaling.
+
+Two quantizers feed COAT's FP8 activations (SPEC section 3):
+
+* :func:`quantize_per_group` -- E4M3 codes plus one float32 scale per 1xG group along the last
+  axis (G = 16 for non-linear ops): ``s = (max|x| + 1e-20) / fmax``, ``q = fp8(x / s)``. It is
+  ``coat_jax.quant.quantize_absmax`` with ``group_size=G``, fused into one kernel.
+* :func:`quantize_per_tensor` -- codes plus one float32 scalar scale, the input format of an FP8
+  GEMM. The scale is found just in time by *group scaling*: a max over each 1xG group, then a
+  max over that G-times smaller tensor, with no amax history.
+
+Each entry point takes ``implementation="auto" | "xla" | "pallas"`` (auto: the Pallas Triton
+kernel on a GPU, the plain-jnp ``*_reference`` elsewhere) and ``interpret`` (run the Pallas
+kernel in interpret mode, which is how the CPU tests check the kernels against the reference).
+
+Kernel layout: ``x [..., D]`` is viewed (for free) as ``[M, D / G, G]``; a program handles a
+``[block_rows, block_groups, G]`` tile, so group maxima are a reduction over the tile's last axis
+and no in-kernel reshape is needed. Triton wants power-of-two tile dimensions, so the tile sizes
+used are the largest powers of two up to the config's that divide ``M`` and ``D / G``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from coat_jax import quant
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def check_implementation(implementation: str) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown implementation {implementation!r}; valid values are {list(IMPLEMENTATIONS)}"
+        )
+    return implementation
+
+
+def resolve_implementation(implementation: str) -> str:
+    """``"auto"`` -> ``"pallas"`` on a GPU backend, ``"xla"`` elsewhere."""
+    if check_implementation(implementation) == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch settings of the element-wise FP8 kernels (upper bounds)."""
+
+    block_rows: int = 16
+    block_groups: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    # RMSNorm holds whole rows (D elements each) in one program.
+    norm_block_rows: int = 4
+    norm_num_warps: int = 8
+
+    def __post_init__(self):
+        for name in (f.name for f in dataclasses.fields(self)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value & (value - 1):
+                raise ValueError(
+                    f"TileConfig.{name} must be a positive power of two, got {value!r}"
+                )
+
+    def compiler_params(self):
+        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def norm_compiler_params(self):
+        return plgpu.CompilerParams(num_warps=self.norm_num_warps, num_stages=self.num_stages)
+
+
+DEFAULT_TILES = TileConfig()
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``cap``."""
+    return math.gcd(n & -n, cap) if n else cap
+
+
+def grouped_view(x: jax.Array, group_size: int) -> jax.Array:
+    """``x [..., D]`` as ``[M, D / G, G]``; the Pallas kernels need ``D`` a multiple of ``G``."""
+    if x.ndim == 0:
+        raise ValueError("FP8 activation kernels need at least one axis; got a scalar")
+    d = x.shape[-1]
+    if d % group_size:
+        raise ValueError(
+            f"the Pallas path needs the last axis ({d}) to be a multiple of group_size "
+            f"({group_size}); use implementation='xla' for ragged groups"
+        )
+    return x.reshape(-1, d // group_size, group_size)
+
+
+def tiles_for(m: int, groups: int, tiles: TileConfig) -> tuple[int, int]:
+    return pow2_divisor(m, tiles.block_rows), pow2_divisor(groups, tiles.block_groups)
+
+
+# --------------------------------------------------------------------------------------------
+# per-group (1xG) quantization
+
+
+def quantize_per_group_reference(x: jax.Array, *, group_size: int = 16, fmt: str = "e4m3"):
+    """Plain-jnp 1xG absmax quantization: ``(codes [..., D], scale [..., D / G] float32)``."""
+    q = quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
+    return q.codes, q.scale
+
+
+def group_quantize_tile(x, fmt: str):
+    """Kernel-side 1xG quantization of a ``[rows, groups, G]`` float32 tile."""
+    fmax = quant.FP8_MAX[fmt]
+    scale = (jnp.max(jnp.abs(x), axis=-1) + quant.ABSMAX_TINY) / fmax
+    codes = jnp.clip(x / scale[..., None], -fmax, fmax).astype(quant.FORMATS[fmt])
+    return codes, scale
+
+
+def _per_group_kernel(x_ref, q_ref, s_ref, *, fmt):
+    codes, scale = group_quantize_tile(x_ref[...].astype(jnp.float32), fmt)
+    q_ref[...] = codes
+    s_ref[...] = scale
+
+
+def quantize_per_group_pallas(
+    x: jax.Array,
+    *,
+    group_size: int = 16,
+    fmt: str = "e4m3",
+    tiles: TileConfig = DEFAULT_TILES,
+    interpret: bool = False,
+):
+    """Pallas Triton 1xG quantization; same results as :func:`quantize_per_group_reference`."""
+    quant.fp8_format(fmt)
+    x3 = grouped_view(x, quant.check_group_size(group_size))
+    m, g, gs = x3.shape
+    bm, bg = tiles_for(m, g, tiles)
+    codes, scale = pl.pallas_call(
+        functools.partial(_per_group_kernel, fmt=fmt),
+        grid=(m // bm, g // bg),
+        in_specs=[pl.BlockSpec((bm, bg, gs), lambda i, j: (i, j, 0))],
+        out_specs=[
+            pl.BlockSpec((bm, bg, gs), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((bm, bg), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(x3.shape, quant.FORMATS[fmt]),
+            jax.ShapeDtypeStruct((m, g), jnp.float32),
+        ],
+        compiler_params=tiles.compiler_params(),
+        interpret=interpret,
+        name="fp8_quantize_per_group",
+    )(x3)
+    return codes.reshape(x.shape), scale.reshape(*x.shape[:-1], g)
+
+
+def quantize_per_group(
+    x: jax.Array,
+    *,
+    group_size: int = 16,
+    fmt: str = "e4m3",
+    implementation: str = "auto",
+    interpret: bool = False,
+    tiles: TileConfig = DEFAULT_TILES,
+):
+    """1xG absmax quantization along the last axis: ``(codes, scale [..., D / G] float32)``.
+
+    Example:
+        >>> codes, scale = quantize_per_group(jnp.ones((4, 32)), implementation="xla")
+        >>> codes.dtype, scale.shape
+        (dtype(float8_e4m3fn), (4, 2))
+    """
+    if resolve_implementation(implementation) == "xla":
+        return quantize_per_group_reference(x, group_size=group_size, fmt=fmt)
+    return quantize_per_group_pallas(
+        x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# per-tensor quantization with group scaling
+
+
+def group_amax_reference(x: jax.Array, *, group_size: int = 16) -> jax.Array:
+    """Group scaling, first stage: ``max|x|`` of every 1xG group, float32 ``[..., D / G]``."""
+    return jnp.max(jnp.abs(quant.to_groups(x.astype(jnp.float32), group_size)), axis=-1)
+
+
+def _group_amax_kernel(x_ref, a_ref):
+    a_ref[...] = jnp.max(jnp.abs(x_ref[...].astype(jnp.float32)), axis=-1)
+
+
+def group_amax_pallas(
+    x: jax.Array, *, group_size: int = 16, tiles: TileConfig = DEFAULT_TILES, interpret=False
+) -> jax.Array:
+    x3 = grouped_view(x, quant.check_group_size(group_size))
+    m, g, gs = x3.shape
+    bm, bg = tiles_for(m, g, tiles)
+    amax = pl.pallas_call(
+        _group_amax_kernel,
+        grid=(m // bm, g // bg),
+        in_specs=[pl.BlockSpec((bm, bg, gs), lambda i, j: (i, j, 0))],
+        out_specs=pl.BlockSpec((bm, bg), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, g), jnp.float32),
+        compiler_params=tiles.compiler_params(),
+        interpret=interpret,
+        name="fp8_group_amax",
+    )(x3)
+    return amax.reshape(*x.shape[:-1], g)
+
+
+def round_up_to_bfloat16(s: jax.Array) -> jax.Array:
+    """The smallest bfloat16-representable float32 ``>= s`` (``s`` positive and finite)."""
+    # bfloat16 is the top half of a float32: adding 0xFFFF to the bits and clearing the low half
+    # rounds the magnitude up.
+    bits = jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+    bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def scale_from_amax(amax: jax.Array, fmt: str) -> jax.Array:
+    """Per-tensor scale from the group maxima: ``(max(amax) + 1e-20) / fmax``, rounded up.
+
+    The FP8 GEMM dequantizes in BF16 (``convert(codes) * bf16(scale)``, the pattern XLA maps to
+    cuBLASLt); a scale that is already a bfloat16 value makes that exact. Rounding up (by less
+    than 0.4%) keeps every ``|x| / scale <= fmax``.
+    """
+    return round_up_to_bfloat16((jnp.max(amax) + quant.ABSMAX_TINY) / quant.FP8_MAX[fmt])
+
+
+def quantize_per_tensor_reference(x: jax.Array, *, fmt: str = "e4m3", group_size: int = 16):
+    """Plain-jnp per-tensor quantization: ``(codes, scale)`` with a float32 scalar scale."""
+    scale = scale_from_amax(group_amax_reference(x, group_size=group_size), quant.fp8_format(fmt))
+    return quant.cast_to_fp8(x.astype(jnp.float32) / scale, fmt), scale
+
+
+def _scaled_cast_kernel(x_ref, s_ref, q_ref, *, fmt):
+    fmax = quant.FP8_MAX[fmt]
+    y = x_ref[...].astype(jnp.float32) / s_ref[0]
+    q_ref[...] = jnp.clip(y, -fmax, fmax).astype(quant.FORMATS[fmt])
+
+
+def quantize_per_tensor_pallas(
+    x: jax.Array,
+    *,
+    fmt: str = "e4m3",
+    group_size: int = 16,
+    tiles: TileConfig = DEFAULT_TILES,
+    interpret: bool = False,
+):
+    """Two Pallas passes: group maxima, then the scaled cast (the scalar max runs in XLA)."""
+    quant.fp8_format(fmt)
+    scale = scale_from_amax(
+        group_amax_pallas(x, group_size=group_size, tiles=tiles, interpret=interpret), fmt
+    )
+    # The cast works on 2-D [M, D] tiles and returns codes in x's own layout: XLA's FP8 GEMM
+    # rewriter wants convert(codes) right on the FP8 producer, with no reshape in between.
+    m, g, gs = grouped_view(x, group_size).shape
+    bm, bg = tiles_for(m, g, tiles)
+    x2 = x.reshape(m, g * gs)
+    codes = pl.pallas_call(
+        functools.partial(_scaled_cast_kernel, fmt=fmt),
+        grid=(m // bm, g // bg),
+        in_specs=[
+            pl.BlockSpec((bm, bg * gs), lambda i, j: (i, j)),
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+        ],
+        out_specs=pl.BlockSpec((bm, bg * gs), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct(x2.shape, quant.FORMATS[fmt]),
+        compiler_params=tiles.compiler_params(),
+        interpret=interpret,
+        name="fp8_scaled_cast",
+    )(x2, scale.reshape(1))
+    return codes.reshape(x.shape), scale
+
+
+def quantize_per_tensor(
+    x: jax.Array,
+    *,
+    fmt: str = "e4m3",
+    group_size: int = 16,
+    implementation: str = "auto",
+    interpret: bool = False,
+    tiles: TileConfig = DEFAULT_TILES,
+):
+    """Per-tensor quantization with a just-in-time group-scaling scale: ``(codes, scale ())``.
+
+    Example:
+        >>> codes, scale = quantize_per_tensor(jnp.ones((4, 32)), implementation="xla")
+        >>> float(scale) >= 1 / 448
+        True
+    """
+    if resolve_implementation(implementation) == "xla":
+        return quantize_per_tensor_reference(x, fmt=fmt, group_size=group_size)
+    return quantize_per_tensor_pallas(
+        x, fmt=fmt, group_size=group_size, tiles=tiles, interpret=interpret
+    )

@@ -1,0 +1,420 @@
+"""FP8 precision-flow ops: numerics against float32, what backward keeps, FP8 GEMMs on the GPU.
+
+Tolerances (stated once, used throughout):
+* FP8 GEMM forward (E4M3 per-tensor): relative Frobenius error to float32 below 0.08 and cosine
+  similarity at least 0.995; E4M3 keeps 3 mantissa bits (relative rounding error <= 2**-4).
+* Gradients of every FP8 op: cosine similarity with float32 at least 0.99, relative error below
+  0.1 (E5M2 output gradients keep 2 mantissa bits).
+* Non-linear forwards are computed from the exact input, so they match float32 to the output
+  dtype's rounding (bfloat16: 2**-8 relative).
+* "Really quantized": on float32 inputs an FP8 op's gradient differs from the float32 one by at
+  least 1e-3 relative -- a float32 computation would differ by about 1e-7.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coat_jax import fp8_ops
+from coat_jax.fp8_ops import FP8Config, fp8_dot_general, ops_for
+from coat_jax.memory import activation_bytes, activation_bytes_by_dtype, residuals
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+MAGNITUDES = (1e-5, 1.0, 3e3)
+XLA = FP8Config(implementation="xla")
+
+
+def _f32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64).ravel()
+
+
+def cosine(a, b):
+    a, b = _f32(a), _f32(b)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def rel_err(a, ref):
+    a, ref = _f32(a), _f32(ref)
+    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def mixed_normal(key, shape, dtype, magnitude):
+    """Normal values whose rows span 1e-3..1e3 around ``magnitude`` (group scales must cope)."""
+    k1, k2 = jax.random.split(key)
+    row_scale = 10.0 ** jax.random.uniform(k2, shape[:-1] + (1,), minval=-3.0, maxval=3.0)
+    return (magnitude * row_scale * jax.random.normal(k1, shape)).astype(dtype)
+
+
+def grads(f, *args):
+    """Gradients of ``sum(f(*args) * c)`` for a fixed random cotangent ``c`` (not all ones)."""
+
+    def loss(*a):
+        y = f(*a)
+        c = jax.random.normal(jax.random.key(7), y.shape, jnp.float32)
+        return jnp.sum(y.astype(jnp.float32) * c)
+
+    return jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+
+
+def check_op(fp8_fn, ref_fn, args, *, fwd_rel, fwd_cos):
+    """Forward and every gradient of ``fp8_fn`` against ``ref_fn`` on float32 copies."""
+    ref_args = [a.astype(jnp.float32) for a in args]
+    y, y_ref = jax.jit(fp8_fn)(*args), ref_fn(*ref_args)
+    assert y.dtype == args[0].dtype
+    assert rel_err(y, y_ref) < fwd_rel
+    assert cosine(y, y_ref) >= fwd_cos
+    g, g_ref = grads(fp8_fn, *args), grads(ref_fn, *ref_args)
+    for a, gi, gr in zip(args, g, g_ref, strict=True):
+        assert gi.dtype == a.dtype
+        assert np.all(np.isfinite(_f32(gi)))
+        assert cosine(gi, gr) >= 0.99, cosine(gi, gr)
+        assert rel_err(gi, gr) < 0.1, rel_err(gi, gr)
+
+
+# ------------------------------------------------------------------------------------------
+# numerics of each op
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES)
+def test_linear_matches_float32(magnitude):
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = (magnitude * jax.random.normal(kx, (4, 16, 64))).astype(jnp.bfloat16)
+    w = 0.05 * jax.random.normal(kw, (64, 48))
+    check_op(
+        lambda x, w: fp8_ops.fp8_linear(x, w, XLA),
+        fp8_ops.linear,
+        (x, w),
+        fwd_rel=0.08,
+        fwd_cos=0.995,
+    )
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES)
+def test_rmsnorm_matches_float32(magnitude):
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = mixed_normal(kx, (4, 8, 64), jnp.bfloat16, magnitude)
+    w = 1.0 + 0.1 * jax.random.normal(kw, (64,))
+    check_op(
+        lambda x, w: fp8_ops.fp8_rmsnorm(x, w, 1e-6, XLA),
+        lambda x, w: fp8_ops.rmsnorm(x, w, 1e-6),
+        (x, w),
+        fwd_rel=2**-7,
+        fwd_cos=0.9999,
+    )
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES)
+def test_silu_matches_float32(magnitude):
+    x = mixed_normal(jax.random.key(2), (4, 8, 96), jnp.bfloat16, magnitude)
+    check_op(lambda x: fp8_ops.fp8_silu(x, XLA), fp8_ops.silu, (x,), fwd_rel=2**-7, fwd_cos=0.9999)
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES)
+def test_mul_matches_float32(magnitude):
+    ka, kb = jax.random.split(jax.random.key(3))
+    a = mixed_normal(ka, (4, 8, 96), jnp.bfloat16, magnitude)
+    b = mixed_normal(kb, (4, 8, 96), jnp.bfloat16, 1.0)
+    check_op(
+        lambda a, b: fp8_ops.fp8_mul(a, b, XLA), fp8_ops.mul, (a, b), fwd_rel=2**-7, fwd_cos=0.9999
+    )
+
+
+@pytest.mark.parametrize("magnitude", MAGNITUDES)
+def test_swiglu_matches_float32_and_keeps_two_fp8_tensors(magnitude):
+    kg, ku = jax.random.split(jax.random.key(13))
+    gate = mixed_normal(kg, (4, 8, 96), jnp.bfloat16, magnitude)
+    up = mixed_normal(ku, (4, 8, 96), jnp.bfloat16, 1.0)
+    check_op(
+        lambda g, u: fp8_ops.fp8_swiglu(g, u, XLA),
+        lambda g, u: fp8_ops.silu(g) * u,
+        (gate, up),
+        fwd_rel=2**-7,
+        fwd_cos=0.9999,
+    )
+    kept = residuals(lambda g, u: fp8_ops.fp8_swiglu(g, u, XLA), gate, up)
+    assert sorted(r.dtype.name for r in kept if r.shape == gate.shape) == ["float8_e4m3fn"] * 2
+
+
+def test_attention_keeps_fp8_qkv_and_matches_float32():
+    kq, kk, kv = jax.random.split(jax.random.key(14), 3)
+    q, k, v = (jax.random.normal(key, (2, 16, 4, 32), jnp.bfloat16) for key in (kq, kk, kv))
+    check_op(
+        lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, XLA),
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        (q, k, v),
+        fwd_rel=2**-6,
+        fwd_cos=0.9999,
+    )
+    kept = residuals(lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, XLA), q, k, v)
+    assert [r.dtype.name for r in kept if r.shape == q.shape] == ["float8_e4m3fn"] * 3
+    assert all(r.nbytes < q.size for r in kept if r.shape != q.shape)  # 1x16 scales only
+    with pytest.raises(ValueError, match=r"\[B, T, N, H\]"):
+        fp8_ops.fp8_attention(q[0], k[0], v[0], True, XLA)
+
+
+def test_add_is_exact_and_keeps_nothing():
+    ka, kb = jax.random.split(jax.random.key(4))
+    a = jax.random.normal(ka, (4, 8, 32), jnp.bfloat16)
+    b = jax.random.normal(kb, (4, 8, 32), jnp.bfloat16)
+    np.testing.assert_array_equal(fp8_ops.fp8_add(a, b), a + b)
+    ga, gb = grads(fp8_ops.fp8_add, a, b)
+    np.testing.assert_array_equal(ga, gb)
+    assert residuals(fp8_ops.fp8_add, a, b) == []
+
+
+def test_linear_weight_gradient_in_master_dtype_and_batch_rank():
+    x = jax.random.normal(jax.random.key(5), (2, 3, 4, 32), jnp.bfloat16)
+    for w_dtype in (jnp.float32, jnp.bfloat16):
+        w = jnp.ones((32, 16), w_dtype)
+        y = fp8_ops.fp8_linear(x, w, XLA)
+        assert y.shape == (2, 3, 4, 16) and y.dtype == jnp.bfloat16
+        gx, gw = grads(lambda x, w: fp8_ops.fp8_linear(x, w, XLA), x, w)
+        assert gx.dtype == jnp.bfloat16 and gw.dtype == w_dtype
+
+
+# On a GPU also the default config (Pallas kernels): XLA's GPU compiler may fold FP8 round trips.
+REALLY_QUANTIZED_CONFIGS = [XLA] + ([FP8Config()] if jax.default_backend() == "gpu" else [])
+
+
+@pytest.mark.parametrize("config", REALLY_QUANTIZED_CONFIGS, ids=lambda c: c.implementation)
+@pytest.mark.parametrize("op", ["linear", "rmsnorm", "silu", "mul"])
+def test_fp8_path_really_quantizes(op, config):
+    """On float32 inputs an FP8 op's gradients differ from float32's by a quantization amount."""
+    keys = jax.random.split(jax.random.key(6), 3)
+    x = jax.random.normal(keys[0], (8, 64))
+    other = {
+        "linear": 0.1 * jax.random.normal(keys[1], (64, 32)),
+        "rmsnorm": 1.0 + 0.1 * jax.random.normal(keys[1], (64,)),
+        "mul": jax.random.normal(keys[1], (8, 64)),
+        "silu": None,
+    }[op]
+    args = (x,) if other is None else (x, other)
+    coat, plain = ops_for("coat", config), ops_for("bf16")
+    fns = [getattr(o, op) for o in (coat, plain)]
+    if op == "rmsnorm":
+        fns = [lambda x, w, f=f: f(x, w, 1e-6) for f in fns]
+    g_fp8, g_ref = grads(fns[0], *args), grads(fns[1], *args)
+    errs = [rel_err(a, b) for a, b in zip(g_fp8, g_ref, strict=True)]
+    assert 1e-3 < max(errs) < 0.1, errs
+    kept = residuals(fns[0], *args)
+    assert any(r.dtype in FP8_DTYPES for r in kept)
+    assert not any(r.dtype in FP8_DTYPES for r in residuals(fns[1], *args))
+
+
+def test_fp8_paths_work_under_jit_and_with_pallas_interpret():
+    cfg = FP8Config(implementation="pallas", interpret=True)
+    x = jax.random.normal(jax.random.key(8), (2, 8, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(9), (64,))
+
+    def f(x, w, ops):
+        h = ops.rmsnorm(x, w, 1e-6)
+        return ops.add(h, ops.mul(ops.silu(h), h))
+
+    outs = [
+        jax.jit(jax.value_and_grad(lambda x, w, o=o: jnp.sum(f(x, w, o).astype(jnp.float32))))(x, w)
+        for o in (ops_for("coat", cfg), ops_for("coat", XLA))
+    ]
+    np.testing.assert_allclose(_f32(outs[0][0]), _f32(outs[1][0]), rtol=1e-2)
+    assert cosine(outs[0][1], outs[1][1]) > 0.9999
+
+
+# ------------------------------------------------------------------------------------------
+# what backward keeps
+
+B, T, D, F, H = 2, 32, 64, 128, 4
+
+
+def mlp_block(ops):
+    def block(params, x):
+        h = ops.rmsnorm(x, params["norm"], 1e-6)
+        gate, up = jnp.split(ops.linear(h, params["gate_up"]), 2, axis=-1)
+        return ops.add(x, ops.linear(ops.mul(ops.silu(gate), up), params["down"]))
+
+    return block
+
+
+def attention_block(ops):
+    attend = jax.checkpoint(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+    def block(params, x):
+        h = ops.rmsnorm(x, params["norm"], 1e-6)
+        q, k, v = jnp.split(ops.linear(h, params["qkv"]), 3, axis=-1)
+        q, k, v = (t.reshape(B, T, H, D // H) for t in (q, k, v))
+        out = attend(q, k, v).reshape(B, T, D)
+        return ops.add(x, ops.linear(out, params["o"]))
+
+    return block
+
+
+PARAMS = {
+    "norm": jax.ShapeDtypeStruct((D,), jnp.float32),
+    "gate_up": jax.ShapeDtypeStruct((D, 2 * F), jnp.float32),
+    "down": jax.ShapeDtypeStruct((F, D), jnp.float32),
+    "qkv": jax.ShapeDtypeStruct((D, 3 * D), jnp.float32),
+    "o": jax.ShapeDtypeStruct((D, D), jnp.float32),
+}
+X = jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16)
+
+
+def unscaled_activations(block):
+    """Activation residuals at least a 16th of a hidden-size tensor that are not FP8 codes.
+
+    Scales of 1x16 groups are exactly a 16th of their tensor in elements; per-row statistics
+    (RMSNorm's rsqrt) and per-tensor scales are far smaller, so anything else this big is a
+    BF16/float32 activation.
+    """
+    kept = residuals(block, PARAMS, X, param_argnums=(0,))
+    return [
+        r
+        for r in kept
+        if r.is_activation
+        and r.dtype not in FP8_DTYPES
+        and np.prod(r.shape) >= B * T * D // 16
+        and not (r.dtype == jnp.float32 and r.shape[-1] * 16 in (D, F, 2 * F, 3 * D))
+    ]
+
+
+def test_mlp_block_keeps_only_fp8_and_scales():
+    assert unscaled_activations(mlp_block(ops_for("coat", XLA))) == []
+    # The check can fail: the same block in BF16 keeps BF16 / float32 activations.
+    assert unscaled_activations(mlp_block(ops_for("bf16")))
+
+
+def test_attention_block_keeps_fp8_plus_qkv():
+    left = unscaled_activations(attention_block(ops_for("coat", XLA)))
+    assert [(r.shape, r.dtype) for r in left] == [((B, T, H, D // H), jnp.bfloat16)] * 3
+    assert len(unscaled_activations(attention_block(ops_for("bf16")))) > 3
+
+
+def test_each_linear_input_saved_once_in_fp8():
+    kept = residuals(mlp_block(ops_for("fp8", XLA)), PARAMS, X, param_argnums=(0,))
+    fp8 = [r for r in kept if r.dtype in FP8_DTYPES]
+    assert sorted(r.shape for r in fp8) == sorted([(B * T, D), (B * T, F)])
+    weights = [r for r in kept if not r.is_activation and len(r.shape) == 2]
+    assert all(r.dtype == jnp.float32 for r in weights)  # master weights, no FP8 copies
+
+
+def test_coat_mlp_bytes_match_the_precision_flow():
+    """MLP block in COAT keeps, in bytes: FP8 rmsnorm input + gate_up input, gate, up, SiLU
+    output, down input (each 1 byte/elem), 1x16 float32 scales, per-row rstd, per-tensor scales."""
+    n_d, n_f = B * T * D, B * T * F
+    expected = (
+        (n_d + n_d // 16 * 4 + B * T * 4)  # RMSNorm: FP8 x, scales, rstd
+        + (n_d + 4)  # gate|up linear input, per-tensor
+        + (n_f + n_f // 16 * 4)  # SiLU input (gate)
+        + 2 * (n_f + n_f // 16 * 4)  # product inputs (SiLU output, up)
+        + (n_f + 4)  # down linear input
+    )
+    got = activation_bytes(mlp_block(ops_for("coat", XLA)), PARAMS, X, param_argnums=(0,))
+    assert got == expected
+    by_dtype = activation_bytes_by_dtype(
+        mlp_block(ops_for("coat", XLA)), PARAMS, X, param_argnums=(0,)
+    )
+    assert set(by_dtype) == {"float8_e4m3fn", "float32"}
+
+
+def test_llama2_7b_layer_activation_target():
+    """COAT mode keeps <= 13.5U and >= 1.6x less than BF16 (SPEC 3); the stretch is < 10U."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "activation_memory.py")
+    spec = importlib.util.spec_from_file_location("activation_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results, unit = bench.measure_all(batch=4, seq=2048)
+    u = {name: total / unit for name, (total, _, _) in results.items()}
+    assert u["coat"] <= 13.5 and u["bf16"] / u["coat"] >= 1.6, u
+    assert u["coat (ops layer)"] == u["coat"]
+    assert u["coat + FP8 attention + fused SwiGLU"] < 10, u
+    assert u["coat"] < u["fp8"] < u["bf16"], u
+
+
+def test_activation_bytes_counts_xla_residuals():
+    # sin keeps cos(x) (the input's size and dtype); a weight-only residual is not counted.
+    x = jax.ShapeDtypeStruct((1024,), jnp.bfloat16)
+    assert activation_bytes(lambda x: jnp.sin(x), x) == 2048
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    f = lambda w, x: jnp.sin(x.reshape(128, 8).astype(jnp.float32) @ jnp.tanh(w))
+    kept = residuals(f, w, x, param_argnums=(0,))
+    assert any(not r.is_activation for r in kept)
+    assert activation_bytes(f, w, x, param_argnums=(0,)) < activation_bytes(f, w, x)
+    with pytest.raises(ValueError, match="param_argnums"):
+        activation_bytes(f, w, x, param_argnums=(2,))
+
+
+# ------------------------------------------------------------------------------------------
+# API and errors
+
+
+def test_ops_for_rejects_unknown_precision():
+    with pytest.raises(ValueError, match=r"'fp16'.*\['bf16', 'fp8', 'coat'\]"):
+        ops_for("fp16")
+    with pytest.raises(TypeError, match="FP8Config"):
+        ops_for("coat", {"group_size": 16})
+
+
+def test_op_sets_and_float32_baseline():
+    assert ops_for("bf16").linear is fp8_ops.linear
+    assert ops_for("fp8").rmsnorm is fp8_ops.rmsnorm
+    x = jax.random.normal(jax.random.key(10), (3, 32))
+    w = jax.random.normal(jax.random.key(11), (32,))
+    np.testing.assert_allclose(
+        ops_for("bf16").rmsnorm(x, w, 1e-5),
+        w * x / np.sqrt(np.mean(np.square(x), -1, keepdims=True) + 1e-5),
+        rtol=1e-5,
+    )
+
+
+def test_config_and_shape_errors():
+    with pytest.raises(ValueError, match="e4m3"):
+        FP8Config(act_format="e3m4")
+    with pytest.raises(ValueError, match="implementation"):
+        FP8Config(implementation="cuda")
+    with pytest.raises(ValueError, match=r"x \[..., K\] and w \[K, N\]"):
+        fp8_ops.fp8_linear(jnp.ones((4, 8)), jnp.ones((16, 4)), XLA)
+    with pytest.raises(TypeError, match="float8"):
+        fp8_ops.fp8_silu(jnp.ones((4, 16), jnp.float8_e4m3fn), XLA)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        fp8_ops.fp8_mul(jnp.ones((4, 16)), jnp.ones((4, 16), jnp.bfloat16), XLA)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        fp8_ops.fp8_rmsnorm(jnp.ones((4, 16)), jnp.ones((8,)), 1e-6, XLA)
+
+
+def test_dot_general_drop_in_for_nnx_linear():
+    rngs = nnx.Rngs(0)
+    fp8_layer = nnx.Linear(64, 32, dot_general=fp8_dot_general, rngs=rngs)
+    plain = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(12), (4, 64))
+    assert cosine(fp8_layer(x), plain(x)) > 0.995
+    grad = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(fp8_layer)
+    grad_ref = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(plain)
+    assert cosine(grad.kernel[...], grad_ref.kernel[...]) >= 0.99
+    with pytest.raises(ValueError, match="dimension_numbers"):
+        fp8_dot_general(x, jnp.ones((4, 32)), (((0,), (0,)), ((), ())))
+
+
+# ------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_fp8_linear_compiles_to_cublaslt_fp8():
+    x = jax.random.normal(jax.random.key(0), (256, 512), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (512, 256), jnp.float32)
+    c = jax.random.normal(jax.random.key(2), (256, 256), jnp.float32)
+
+    def loss(x, w, c):
+        # A cotangent that is an argument, so XLA cannot constant-fold the gradient path.
+        return jnp.sum(fp8_ops.fp8_linear(x, w, FP8Config()).astype(jnp.float32) * c)
+
+    hlo = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w, c).compile().as_text()
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+    # forward, dgrad and wgrad
+    assert hlo.count("__cublas$lt$matmul$f8") >= 3, targets

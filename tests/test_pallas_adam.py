@@ -1,0 +1,368 @@
+"""The fused Pallas COAT AdamW kernel against the jnp reference (pallas_kernels/coat_adam.py).
+
+Every test runs on the backend at hand: in interpret mode on a CPU (CI), on the real Triton
+backend on a GPU (``pytest -m gpu`` there). Shapes are tiny because interpret mode is slow; they
+still cover a last axis that is a multiple of the group size (one contiguous group per row, with
+and without a ragged last block of rows) and one that is not (masked short groups).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import coat_jax
+from coat_jax import quant
+from pallas_kernels import coat_adam as ca
+
+ON_GPU = jax.default_backend() == "gpu"
+BACKENDS = [
+    pytest.param("interpret", marks=pytest.mark.skipif(ON_GPU, reason="real kernel on GPUs")),
+    pytest.param(
+        "gpu",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")],
+    ),
+]
+HYPER = dict(b1=0.9, b2=0.999, eps=1e-8, expand_min=16)
+STEPS = 4
+# Codes may differ at rounding ties only: by one code, in at most this fraction of elements.
+MAX_TIE_FRACTION = 0.005
+
+
+def _zero_moment(shape, fmt, spec):
+    return ca.quantize_moment(jnp.zeros(shape, jnp.float32), fmt, spec, HYPER["expand_min"])
+
+
+def _code_ordinal(codes):
+    """FP8 codes as signed integers that step by one between neighbouring values (+0 == -0)."""
+    bits = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.uint8)).astype(np.int32)
+    magnitude = bits & 0x7F
+    return np.where(bits & 0x80, -magnitude, magnitude)
+
+
+def _assert_codes_match(got, want, what):
+    a, b = _code_ordinal(got), _code_ordinal(want)
+    diff = np.abs(a - b)
+    assert diff.max() <= 1, f"{what}: codes differ by {diff.max()} steps"
+    frac = float(np.mean(diff > 0))
+    assert frac <= MAX_TIE_FRACTION, f"{what}: {frac:.2%} of codes differ"
+
+
+def _assert_stats_match(got: ca.Moment, want: ca.Moment, what, rtol=1e-5):
+    for name in ("scale", "expand", "center"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert (g is None) == (w is None), (what, name)
+        if g is None:
+            continue
+        assert g.dtype == w.dtype == jnp.float32 and g.shape == w.shape, (what, name)
+        g, w = np.asarray(g), np.asarray(w)
+        tol = np.full(w.shape, rtol)
+        if name == "scale" and want.expand is not None:
+            # s = (max / c)**k: a relative error e in the moment becomes k * e in s, and groups
+            # of a few close values have a large k.
+            tol = tol + 1e-6 * np.asarray(want.expand)
+        bad = np.abs(g - w) > tol * np.abs(w)
+        assert not bad.any(), f"{what}.{name}: got {g[bad]}, want {w[bad]} (k {want.expand})"
+
+
+def _update_rtol(dtype):
+    # The update is rounded to the gradient's dtype: a float32 difference can flip one bf16 ulp.
+    return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 2.0**-7
+
+
+def _step_fn(mode, spec, config=None):
+    """The kernel step as one jitted function of traced (grad, mu, nu, count)."""
+
+    def step(g, mu, nu, count):
+        return ca.coat_adam_step_pallas(
+            g,
+            mu,
+            nu,
+            count=count,
+            spec=spec,
+            interpret=mode == "interpret",
+            config=config,
+            **HYPER,
+        )
+
+    return jax.jit(step)
+
+
+_reference_step = jax.jit(
+    lambda g, mu, nu, count, spec: ca.coat_adam_step_reference(
+        g, mu, nu, count=count, spec=spec, **HYPER
+    ),
+    static_argnums=4,
+)
+
+
+def _fixed_sign_grads(key, shape, dtype, steps):
+    """Gradients that keep each element's sign: no cancellation in m, so every output is well
+    conditioned and the kernel must agree with the reference to float32 rounding."""
+    sign_key, *keys = jax.random.split(key, steps + 1)
+    sign = jnp.where(jax.random.bernoulli(sign_key, 0.5, shape), 1.0, -1.0)
+    return [
+        (sign * jax.random.uniform(k, shape, minval=0.05, maxval=3.0)).astype(dtype) for k in keys
+    ]
+
+
+CASES = [
+    # shape, expansion, mu_format, nu_format, grad dtype
+    ((3, 256), True, "e4m3", "e4m3", jnp.float32),
+    ((3, 256), False, "e4m3", "e5m2", jnp.bfloat16),
+    ((4, 512), True, "e4m3", "e5m2", jnp.bfloat16),  # 16 groups: full blocks, no masks
+    ((5, 300), True, "e4m3", "e5m2", jnp.bfloat16),
+    ((5, 300), False, "e4m3", "e4m3", jnp.float32),
+    ((130,), True, "e4m3", "e4m3", jnp.bfloat16),
+    ((130,), False, "e5m2", "e5m2", jnp.float32),
+    ((2, 3, 128), True, "e5m2", "e5m2", jnp.float32),
+    ((2, 3, 128), False, "e4m3", "e5m2", jnp.bfloat16),
+    ((33, 128), True, "e4m3", "e4m3", jnp.float32),  # ragged last block of rows
+]
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize("shape,expansion,mu_format,nu_format,dtype", CASES)
+def test_kernel_matches_reference(mode, shape, expansion, mu_format, nu_format, dtype):
+    spec = ca.MomentSpec(mu_format=mu_format, nu_format=nu_format, expansion=expansion)
+    step = _step_fn(mode, spec)
+    mu, nu = _zero_moment(shape, mu_format, spec), _zero_moment(shape, nu_format, spec)
+    grads = _fixed_sign_grads(jax.random.key(sum(shape)), shape, dtype, STEPS)
+    for t, g in enumerate(grads, start=1):
+        # Both sides start each step from the reference's state, so a rounding tie in one step
+        # cannot snowball; the states are non-trivial from step 2 on.
+        u, k_mu, k_nu = step(g, mu, nu, jnp.int32(t))
+        u_ref, mu, nu = _reference_step(g, mu, nu, jnp.int32(t), spec)
+        what = f"step {t}"
+        assert u.dtype == g.dtype and u.shape == shape
+        np.testing.assert_allclose(
+            np.asarray(u, np.float32),
+            np.asarray(u_ref, np.float32),
+            rtol=_update_rtol(dtype),
+            atol=0,
+            err_msg=f"{what} update",
+        )
+        for got, want, name in ((k_mu, mu, "mu"), (k_nu, nu, "nu")):
+            assert got.codes.dtype == want.codes.dtype and got.codes.shape == shape
+            _assert_codes_match(got.codes, want.codes, f"{what} {name}")
+            _assert_stats_match(got, want, f"{what} {name}")
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+def test_exact_math_and_other_launch_settings(mode):
+    """fast_math=False (the reference's own arithmetic) with a non-default tile and warp count."""
+    spec = ca.MomentSpec(nu_format="e5m2")
+    shape = (7, 300)
+    step = _step_fn(mode, spec, ca.KernelConfig(block_rows=4, num_warps=2, fast_math=False))
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
+    for t, g in enumerate(_fixed_sign_grads(jax.random.key(5), shape, jnp.float32, 3), start=1):
+        u, k_mu, k_nu = step(g, mu, nu, jnp.int32(t))
+        u_ref, mu, nu = _reference_step(g, mu, nu, jnp.int32(t), spec)
+        np.testing.assert_allclose(u, u_ref, rtol=1e-5, atol=0)
+        for got, want, name in ((k_mu, mu, "mu"), (k_nu, nu, "nu")):
+            _assert_codes_match(got.codes, want.codes, f"step {t} {name}")
+            _assert_stats_match(got, want, f"step {t} {name}")
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize("shape,expansion", [((5, 300), True), ((3, 256), False)])
+def test_kernel_matches_reference_with_cancellation(mode, shape, expansion):
+    """Random-sign gradients: m passes through zero, so its smallest values are ill conditioned;
+    codes still agree up to ties and updates to float32 rounding of the largest update."""
+    spec = ca.MomentSpec(expansion=expansion, nu_format="e5m2")
+    step = _step_fn(mode, spec)
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
+    for t, key in enumerate(jax.random.split(jax.random.key(7), STEPS), start=1):
+        g = jax.random.normal(key, shape, jnp.float32)
+        u, k_mu, k_nu = step(g, mu, nu, jnp.int32(t))
+        u_ref, mu, nu = _reference_step(g, mu, nu, jnp.int32(t), spec)
+        np.testing.assert_allclose(u, u_ref, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(u_ref))))
+        _assert_codes_match(k_mu.codes, mu.codes, f"step {t} mu")
+        _assert_codes_match(k_nu.codes, nu.codes, f"step {t} nu")
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+def test_edge_groups(mode):
+    """All-zero groups, one non-zero value, equal values, denormal-sized and huge gradients
+    (as huge as float32 squares without overflow: g*g feeds the second moment)."""
+    spec = ca.MomentSpec()
+    shape = (6, 128)
+    rows = [
+        np.zeros(128),
+        np.eye(1, 128, 5)[0] * 3.0,
+        np.full(128, 0.25),
+        np.linspace(1e-38, 1e-36, 128),
+        np.linspace(-1e18, 1e18, 128),
+        np.geomspace(1e-20, 1e15, 128),
+    ]
+    g = jnp.asarray(np.stack(rows), jnp.float32)
+    step = _step_fn(mode, spec)
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e4m3", spec)
+    for t in (1, 2):
+        u, k_mu, k_nu = step(g, mu, nu, jnp.int32(t))
+        u_ref, mu, nu = _reference_step(g, mu, nu, jnp.int32(t), spec)
+        for x in jax.tree.leaves((k_mu, k_nu, mu, nu)):
+            assert bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))), f"step {t}: non-finite"
+        np.testing.assert_array_equal(jnp.isfinite(u), jnp.isfinite(u_ref))
+        _assert_codes_match(k_mu.codes, mu.codes, f"step {t} mu")
+        _assert_codes_match(k_nu.codes, nu.codes, f"step {t} nu")
+        np.testing.assert_allclose(k_mu.expand, mu.expand, rtol=0)
+        np.testing.assert_allclose(k_nu.expand, nu.expand, rtol=0)
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize("shape,dtype", [((5, 300), jnp.bfloat16), ((4, 256), jnp.float32)])
+def test_fused_apply_matches_reference(mode, shape, dtype):
+    spec = ca.MomentSpec(nu_format="e5m2")
+    kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, **HYPER)
+
+    @jax.jit
+    def kernel(p, g, mu, nu, count):
+        return ca.coat_adamw_apply(
+            p,
+            g,
+            mu,
+            nu,
+            count=count,
+            implementation="pallas",
+            interpret=mode == "interpret",
+            **kw,
+        )
+
+    reference = jax.jit(
+        lambda p, g, mu, nu, count: ca.coat_adamw_apply_reference(p, g, mu, nu, count=count, **kw)
+    )
+    p = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
+    for t, g in enumerate(_fixed_sign_grads(jax.random.key(2), shape, dtype, 3), start=1):
+        p_new, k_mu, k_nu = kernel(p, g, mu, nu, jnp.int32(t))
+        p_ref, mu, nu = reference(p, g, mu, nu, jnp.int32(t))
+        assert p_new.dtype == jnp.float32 and p_new.shape == shape
+        # |p| ~ 1 and the step is lr * O(1): one bf16 ulp of the update is <= 3e-3 * 2**-7.
+        np.testing.assert_allclose(p_new, p_ref, rtol=1e-6, atol=3e-3 * _update_rtol(dtype))
+        _assert_codes_match(k_mu.codes, mu.codes, f"step {t} mu")
+        _assert_stats_match(k_nu, nu, f"step {t} nu")
+        p = p_ref
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+def test_coat_adamw_pallas_matches_xla(mode):
+    """The optimizer on both implementations, independent trajectories over a few steps."""
+    params = {
+        "w": jax.random.normal(jax.random.key(0), (3, 256)),
+        "b": jax.random.normal(jax.random.key(1), (130,)),
+        "k": jax.random.normal(jax.random.key(2), (2, 3, 128)),
+    }
+    lr, steps = 1e-2, 3
+    runs = {}
+    for impl in ("xla", "pallas"):
+        tx = coat_jax.coat_adamw(
+            lr,
+            weight_decay=0.1,
+            nu_format="e5m2",
+            implementation=impl,
+            interpret=mode == "interpret",
+        )
+
+        @jax.jit
+        def step(p, s, g, tx=tx):
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        p, s = params, tx.init(params)
+        for t in range(steps):
+            keys = jax.random.split(jax.random.key(100 + t), 3)
+            g = {
+                name: jnp.abs(jax.random.normal(k, x.shape)) * jnp.sign(params[name])
+                for k, (name, x) in zip(keys, params.items(), strict=True)
+            }
+            p, s = step(p, s, g)
+        runs[impl] = (p, s)
+    (p_x, s_x), (p_p, s_p) = runs["xla"], runs["pallas"]
+    for name in params:
+        diff = np.abs(np.asarray(p_p[name]) - np.asarray(p_x[name]))
+        tol = 1e-5 * np.abs(np.asarray(p_x[name])) + 1e-7
+        # A rounding tie can flip one code and so move one element by a fraction of lr.
+        assert np.mean(diff > tol) <= MAX_TIE_FRACTION, name
+        assert diff.max() <= 0.2 * lr * steps, name
+    mu_x, nu_x = coat_jax.dequantized_moments(s_x)
+    mu_p, nu_p = coat_jax.dequantized_moments(s_p)
+    for a, b in ((mu_p, mu_x), (nu_p, nu_x)):
+        for name in params:
+            close = np.isclose(a[name], b[name], rtol=1e-5, atol=0)
+            assert np.mean(~close) <= MAX_TIE_FRACTION, name
+    assert jax.tree.map(lambda x: (x.dtype, x.shape), s_p) == jax.tree.map(
+        lambda x: (x.dtype, x.shape), s_x
+    )
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+def test_one_compile_serves_every_step(mode):
+    """Hyper-parameters are operands: new counts and decay rates reuse the compiled kernel."""
+    spec = ca.MomentSpec()
+    shape = (2, 128)
+
+    @jax.jit
+    def step(g, mu, nu, count, b1, b2, eps, expand_min):
+        return ca.coat_adam_step_pallas(
+            g,
+            mu,
+            nu,
+            count=count,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            expand_min=expand_min,
+            spec=spec,
+            interpret=mode == "interpret",
+        )
+
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e4m3", spec)
+    g = jax.random.normal(jax.random.key(0), shape)
+    for t, (b1, b2) in enumerate([(0.9, 0.999), (0.8, 0.99), (0.5, 0.9)], start=1):
+        args = [jnp.float32(x) for x in (b1, b2, 1e-8, 16)]
+        u, mu_k, nu_k = step(g, mu, nu, jnp.int32(t), *args)
+        u_ref, mu, nu = jax.jit(
+            lambda g, mu, nu, t, b1, b2, eps, em: ca.coat_adam_step_reference(
+                g, mu, nu, count=t, b1=b1, b2=b2, eps=eps, expand_min=em, spec=spec
+            )
+        )(g, mu, nu, jnp.int32(t), *args)
+        np.testing.assert_allclose(u, u_ref, rtol=1e-5)
+    assert step._cache_size() == 1
+
+
+def test_bad_input_raises():
+    spec = ca.MomentSpec()
+    g = jnp.zeros((2, 128))
+    mu = _zero_moment((2, 128), "e4m3", spec)
+    kw = dict(count=1, spec=spec, **HYPER)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="interpret=True"):
+            ca.coat_adam_step(g, mu, mu, implementation="pallas", **kw)
+    with pytest.raises(ValueError, match="power-of-two group_size"):
+        ca.coat_adam_step(
+            g,
+            mu,
+            mu,
+            implementation="pallas",
+            interpret=True,
+            **{**kw, "spec": ca.MomentSpec(group_size=96)},
+        )
+    with pytest.raises(ValueError, match="codes must be"):
+        ca.coat_adam_step_pallas(g[:, :64], mu, mu, interpret=True, **kw)
+    with pytest.raises(ValueError, match="block_rows"):
+        ca.KernelConfig(block_rows=12)
+    with pytest.raises(ValueError, match="implementation"):
+        ca.coat_adam_step(g, mu, mu, implementation="triton", **kw)
+
+
+def test_auto_uses_reference_for_odd_group_sizes():
+    spec = ca.MomentSpec(group_size=96)
+    g = jax.random.normal(jax.random.key(0), (2, 200))
+    mu = _zero_moment((2, 200), "e4m3", spec)
+    got = ca.coat_adam_step(g, mu, mu, count=1, spec=spec, implementation="auto", **HYPER)
+    want = ca.coat_adam_step_reference(g, mu, mu, count=1, spec=spec, **HYPER)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert quant.num_groups(200, 96) == got[1].scale.shape[-1]
