@@ -54,6 +54,7 @@ import jax.numpy as jnp
 
 from coat_jax import quant
 from pallas_kernels import fp8_act, fp8_quant
+from pallas_kernels._dispatch import check_implementation
 
 PRECISIONS = ("bf16", "fp8", "coat")
 GEMM_DEQUANT = ("compute", "float32")
@@ -93,7 +94,7 @@ class FP8Config:
         quant.fp8_format(self.act_format)
         quant.fp8_format(self.grad_format)
         quant.check_group_size(self.group_size)
-        fp8_quant.check_implementation(self.implementation)
+        check_implementation(self.implementation)
 
     def kernel_kwargs(self) -> dict:
         return dict(

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from coat_jax import quant
 from pallas_kernels import coat_adam as kernels
+from pallas_kernels._dispatch import check_implementation
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -221,7 +222,7 @@ def scale_by_coat_adam(
         nu_format=_named_format("nu_format", nu_format),
         expansion=expansion,
     )
-    kernels.check_implementation(implementation)
+    check_implementation(implementation)
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)

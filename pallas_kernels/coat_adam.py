@@ -41,8 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from coat_jax import quant
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+from pallas_kernels._dispatch import (
+    resolve_implementation,
+)
 
 
 class Moment(NamedTuple):
@@ -67,22 +68,6 @@ class MomentSpec:
         quant.check_group_size(self.group_size)
         quant.fp8_format(self.mu_format)
         quant.fp8_format(self.nu_format)
-
-
-def check_implementation(implementation: str) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"unknown implementation {implementation!r}; valid values are {list(IMPLEMENTATIONS)}"
-        )
-    return implementation
-
-
-def resolve_implementation(implementation: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on a GPU backend, ``"xla"`` elsewhere."""
-    check_implementation(implementation)
-    if implementation == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return implementation
 
 
 def quantize_moment(x: jax.Array, fmt: str, spec: MomentSpec, expand_min) -> Moment:

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from coat_jax import quant
+from pallas_kernels._dispatch import resolve_implementation
 from pallas_kernels.fp8_quant import (
     DEFAULT_TILES,
     group_quantize_tile,
     grouped_view,
     pow2_divisor,
-    resolve_implementation,
     tiles_for,
 )
 

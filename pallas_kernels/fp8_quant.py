@@ -31,23 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from coat_jax import quant
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
-
-
-def check_implementation(implementation: str) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"unknown implementation {implementation!r}; valid values are {list(IMPLEMENTATIONS)}"
-        )
-    return implementation
-
-
-def resolve_implementation(implementation: str) -> str:
-    """``"auto"`` -> ``"pallas"`` on a GPU backend, ``"xla"`` elsewhere."""
-    if check_implementation(implementation) == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return implementation
+from pallas_kernels._dispatch import (
+    resolve_implementation,
+)
 
 
 @dataclasses.dataclass(frozen=True)
