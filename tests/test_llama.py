@@ -137,8 +137,10 @@ def _tiny(**overrides) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
-def test_one_gemm_for_qkv_and_one_for_gate_up():
-    # Per layer: q|k|v, o, gate|up, down and attention's two batched dots; plus lm_head.
+def test_projections_share_their_input_without_weight_copies():
+    # q, k, v (and gate, up) go through one ops.linear call with a tuple of weights: in bf16 mode
+    # one dot per weight (autodiff keeps the shared input once) and no concatenated weight.
+    # Per layer: q, k, v, o, gate, up, down and attention's two batched dots; plus lm_head.
     cfg = _tiny()
     model = Llama(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
@@ -146,7 +148,29 @@ def test_one_gemm_for_qkv_and_one_for_gate_up():
         state, jnp.zeros((1, 8), jnp.int32)
     )
     text = str(jaxpr)
-    assert text.count("dot_general[") == 6 * cfg.num_hidden_layers + 1
+    assert text.count("dot_general[") == 9 * cfg.num_hidden_layers + 1
+    weight_dims = {cfg.hidden_size, cfg.intermediate_size}
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "concatenate":
+            assert eqn.outvars[0].aval.ndim != 2 or not (
+                set(eqn.outvars[0].aval.shape) & weight_dims
+            ), eqn
+
+
+def test_coat_mode_saves_the_shared_projection_input_once():
+    cfg = _tiny(num_hidden_layers=1)
+    model = Llama(cfg, precision="coat", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    f = lambda s: nnx.merge(graphdef, s)(jnp.zeros((2, 16), jnp.int32)).sum()
+    residuals = jax.tree.leaves(jax.eval_shape(lambda s: jax.vjp(f, s)[1], state))
+    fp8_inputs = [
+        r.shape
+        for r in residuals
+        if r.dtype == jnp.float8_e4m3fn and r.shape == (32, cfg.hidden_size)
+    ]
+    # Per-tensor FP8 inputs of hidden size: the q|k|v input, o_proj's input (heads * head_dim
+    # equals hidden here) and the gate|up input, once each; per-weight calls would keep six.
+    assert len(fp8_inputs) == 3, fp8_inputs
 
 
 def test_cpu_attention_saves_no_probabilities():
