@@ -31,9 +31,11 @@ The residual stream travels in BF16 (``fp8_add`` computes the sum in BF16); its 
 one the next ``fp8_rmsnorm`` makes and saves, and since each residual-stream value feeds exactly
 one RMSNorm there is one FP8 copy of it, as in COAT.
 
-Every saved FP8 tensor passes :func:`materialize` (an optimization barrier), so that XLA cannot
-fold the quantize-dequantize round trip back into the unquantized value. On a GPU the default
-``implementation="auto"`` quantizes in Pallas kernels, whose FP8 outputs XLA cannot see through.
+FP8 tensors made by XLA's own quantizer pass :func:`materialize` (an optimization barrier), so
+that XLA cannot fold the quantize-dequantize round trip back into the unquantized value. On a GPU
+the default ``implementation="auto"`` quantizes in Pallas kernels, whose FP8 outputs XLA cannot
+see through; there the linear layers' codes skip the barrier, which would otherwise hide them from
+XLA's FP8 GEMM rewriter.
 
 Forward outputs are computed from the exact inputs in float32 (only what backward keeps is
 quantized), which costs no memory and keeps the forward as accurate as BF16 outside the GEMMs.
@@ -54,7 +56,7 @@ import jax.numpy as jnp
 
 from coat_jax import quant
 from pallas_kernels import fp8_act, fp8_quant
-from pallas_kernels._dispatch import check_implementation
+from pallas_kernels._dispatch import check_implementation, resolve_implementation
 
 PRECISIONS = ("bf16", "fp8", "coat")
 GEMM_DEQUANT = ("compute", "float32")
@@ -142,8 +144,14 @@ def materialize(tree):
 
 
 def _per_tensor(x, fmt, config: FP8Config):
-    kw = config.kernel_kwargs()
-    return materialize(fp8_quant.quantize_per_tensor(x, fmt=fmt, **kw))
+    codes_scale = fp8_quant.quantize_per_tensor(x, fmt=fmt, **config.kernel_kwargs())
+    if resolve_implementation(config.implementation) == "pallas":
+        # A Pallas quantizer is opaque to XLA, so nothing can fold its round trip; a barrier
+        # here would also hide the FP8 codes from the GEMM rewriter (measured on the H200: an
+        # optimization barrier between the codes and the dot turns cuBLASLt FP8 GEMMs into
+        # float32 ones).
+        return codes_scale
+    return materialize(codes_scale)
 
 
 def _dequant(codes, scale, dtype):
@@ -154,11 +162,14 @@ def _dequant(codes, scale, dtype):
 def _fp8_dot(a_codes, a_scale, b_codes, b_scale, contracting, config, compute_dtype, out_dtype):
     if config.gemm_dequant == "float32":
         compute_dtype = jnp.float32
+    # Accumulate in float32 and convert after the dot, the form of the dequantize-dot pattern
+    # that a standalone probe on the H200 saw rewritten to cuBLASLt FP8 (docs/bench_layer.md:
+    # inside fp8_linear it still was not, as of 2026-11-29).
     out = jax.lax.dot_general(
         _dequant(a_codes, a_scale, compute_dtype),
         _dequant(b_codes, b_scale, compute_dtype),
         (contracting, ((), ())),
-        preferred_element_type=out_dtype,
+        preferred_element_type=jnp.promote_types(compute_dtype, jnp.float32),
     )
     return out.astype(out_dtype)
 

@@ -1,0 +1,181 @@
+"""Shared helpers of the layer and end-to-end benchmarks (issue 7).
+
+Everything here measures, nothing estimates: memory comes from XLA (``memory_analysis()`` of the
+compiled executable and the allocator's ``memory_stats()``), FP8 GEMMs from the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+GIB = 1024**3
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+# On the GPU JAX pre-allocates 75% of the card by default; the end-to-end step of a 7B model needs
+# nearly all of it, so children run with a higher fraction (set before jax is imported).
+MEM_FRACTION = "0.95"
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def environment() -> dict:
+    """Device, JAX version, date and command: what every published number is stamped with."""
+    import jax
+
+    dev = jax.devices()[0]
+    return {
+        "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.machine(),
+    }
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def memory_stats() -> dict:
+    """The allocator's statistics of device 0 ({} where the backend keeps none, e.g. the CPU)."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = None
+    return dict(stats or {})
+
+
+def compiled_memory(compiled) -> dict:
+    """XLA's own account of one executable's device memory, in bytes.
+
+    ``peak`` is arguments + outputs - aliased (donated) + temporaries: what the executable needs
+    while it runs, the number the batch search compares with the device's ``bytes_limit``.
+    """
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    out = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "generated_code": int(ma.generated_code_size_in_bytes),
+    }
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    xla_peak = getattr(ma, "peak_memory_in_bytes", None)
+    if xla_peak:
+        out["xla_peak"] = int(xla_peak)
+    return out
+
+
+def custom_call_counts(hlo_text: str) -> dict:
+    """How many custom calls of each target the optimized HLO holds (GEMMs, attention, ...)."""
+    return dict(Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
+def hlo_op_counts(hlo_text: str) -> dict:
+    """Kernel-level op counts of an optimized HLO module: fusions, custom calls, while loops."""
+    return {
+        "fusion": len(re.findall(r"\bfusion\(", hlo_text)),
+        "custom-call": len(re.findall(r"\bcustom-call\(", hlo_text)),
+        "while": len(re.findall(r"\bwhile\(", hlo_text)),
+    }
+
+
+def fp8_gemm_count(hlo_text: str) -> int:
+    return custom_call_counts(hlo_text).get(FP8_GEMM_TARGET, 0)
+
+
+def time_fn(call, *, warmup: int, reps: int) -> dict:
+    """Median / min / max seconds of ``call()`` (which must block until the device is done)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "reps": reps,
+    }
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    """Appends one record and flushes it, so a run killed at its time limit keeps what it had."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_child(args: list[str], *, timeout_s: float, log_path: str | None) -> int:
+    """Runs ``python <args>`` in a fresh process (clean allocator statistics); returns its rc.
+
+    Its output goes to the terminal and, when given, to ``log_path``.
+    """
+    cmd = [sys.executable, *args]
+    print(f"[child] {' '.join(shlex.quote(a) for a in cmd)}", flush=True)
+    log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+    def pump():
+        # A thread, so that a child silent for minutes (compiling) still meets its deadline.
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if log:
+                log.write(line)
+                log.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+        print(f"[child] killed after {timeout_s:.0f} s", flush=True)
+        rc = 124
+    reader.join(timeout=5)
+    if log:
+        log.close()
+    return rc
+
+
+def gib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if not a or not b:
+        return "n/a"
+    return f"{a / b:.2f}x"
