@@ -99,8 +99,11 @@ def _quantized_flags(params, fp8_mask) -> list[bool]:
 
 def _stat_sharding(param, stat_shape):
     """Where a parameter's per-group statistics live: its own sharding where the shapes allow."""
+    # Tracers first: asking a tracer for its sharding is slow (quadratic over a traced init).
+    if isinstance(param, jax.core.Tracer):
+        return None
     sharding = getattr(param, "sharding", None)
-    if isinstance(param, jax.core.Tracer) or sharding is None:
+    if sharding is None:
         return None
     if isinstance(sharding, NamedSharding):
         spec = list(sharding.spec) + [None] * (len(stat_shape) - len(sharding.spec))
@@ -119,8 +122,10 @@ def _stat_sharding(param, stat_shape):
 def _replicated_like(leaves):
     """A replicated sharding on the parameters' mesh, so the step count lives where they do."""
     for p in leaves:
+        if isinstance(p, jax.core.Tracer):
+            return None
         sharding = getattr(p, "sharding", None)
-        if not isinstance(p, jax.core.Tracer) and isinstance(sharding, NamedSharding):
+        if isinstance(sharding, NamedSharding):
             return NamedSharding(sharding.mesh, PartitionSpec())
     return None
 

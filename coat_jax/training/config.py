@@ -1,0 +1,282 @@
+"""Typed training configuration: dataclass defaults, YAML files that may name a base, overrides.
+
+A config file is YAML whose keys mirror :class:`TrainConfig`; ``model:`` and ``mesh:`` are nested
+sections. ``base: other.yaml`` (relative to the file) is loaded first and then updated key by key.
+Command-line overrides are ``key=value`` or ``section.key=value``; values are parsed as YAML
+scalars (``steps=100``, ``init_from=null``, ``resume=true``). Every value is checked against the
+field's type, and an unknown key is rejected with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama architecture used when training from scratch (ignored when ``init_from`` is set)."""
+
+    vocab_size: int = 258
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh ``(data, fsdp)``; one entry may be -1 for "all remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs; configs/default.yaml spells out every default.
+
+    Keys whose meaning is not obvious from the name:
+
+    - ``resume``: continue from the newest checkpoint in ``output_dir``. Without it a run
+      refuses an ``output_dir`` that already holds checkpoints.
+    - ``init_from``: a Hugging Face Llama folder, a coat-jax folder or a ``.gguf`` file
+      (``pkg:PACKAGE/FILE`` finds a file inside an installed package). Its architecture
+      replaces the ``model`` section, which only describes models trained from scratch.
+    - ``tokenizer``: ``byte`` (UTF-8 bytes, vocabulary 258), ``init_from`` (the checkpoint's
+      own) or a path that ``coat_jax.load_tokenizer`` reads.
+    - ``compute_dtype``: activation dtype; master weights are always float32.
+    - ``batch_size``: sequences per microbatch across all devices; a step averages the
+      gradients of ``grad_accum`` microbatches, so it sees
+      ``batch_size * grad_accum * seq_len`` tokens.
+    - ``min_lr_ratio``: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
+    - ``grad_clip``: global-norm clipping threshold, ``null`` for none.
+    - ``decay_norms_and_embeddings``: weight decay on every parameter instead of on matrices
+      other than the embedding only.
+    - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
+    - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
+    """
+
+    # Run.
+    steps: int = 600
+    output_dir: str = "runs/default"
+    resume: bool = False
+    seed: int = 0
+    # Model.
+    precision: Literal["bf16", "fp8", "coat"] = "coat"
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    init_from: str | None = None
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    # Data.
+    data_path: str = "data/public_domain_en.tar.xz"
+    tokenizer: str = "byte"
+    cache_dir: str = "~/.cache/coat_jax/tokens"
+    val_fraction: float = 0.005
+    seq_len: int = 128
+    batch_size: int = 16
+    grad_accum: int = 1
+    # Optimizer.
+    optimizer: Literal["adamw", "coat_adamw"] = "coat_adamw"
+    learning_rate: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    grad_clip: float | None = 1.0
+    weight_decay: float = 0.1
+    decay_norms_and_embeddings: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    mu_format: Literal["e4m3", "e5m2"] = "e4m3"
+    nu_format: Literal["e4m3", "e5m2"] = "e4m3"
+    # Bookkeeping.
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    progress_bar: bool = True
+    compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def __post_init__(self):
+        _check_positive(
+            self,
+            "steps",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "keep_checkpoints",
+        )
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(
+                f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}"
+            )
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be > 0 or null (off), got {self.grad_clip}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        for name in ("data", "fsdp"):
+            size = getattr(self.mesh, name)
+            if size == 0 or size < -1:
+                raise ValueError(f"mesh.{name} must be a positive size or -1 (all), got {size}")
+        if self.mesh.data == -1 and self.mesh.fsdp == -1:
+            raise ValueError("at most one of mesh.data and mesh.fsdp may be -1")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.seq_len
+
+
+def _check_positive(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Builds a :class:`TrainConfig` from defaults, an optional YAML file and ``key=value`` items.
+
+    Args:
+      path: a YAML file; ``base: FILE`` inside it names a file (relative to it) to start from.
+      overrides: ``key=value`` or ``section.key=value`` strings, applied last.
+
+    Returns:
+      The validated config.
+
+    Raises:
+      ValueError: unknown key (the message lists the valid ones), bad value, or a base cycle.
+    """
+    raw: dict[str, Any] = {} if path is None else _load_yaml_with_bases(Path(path), ())
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else None)
+    return from_dict(raw)
+
+
+def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
+    """Validates a (possibly nested) mapping against :class:`TrainConfig` and builds it."""
+    return _build(TrainConfig, raw, prefix="")
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _load_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.expanduser().resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ValueError(f"config base cycle: {chain}")
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}"
+        )
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    merged = _load_yaml_with_bases(path.parent / base, (*seen, path))
+    _deep_update(merged, data)
+    return merged
+
+
+def _deep_update(dst: dict, src: Mapping) -> None:
+    for key, value in src.items():
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            _deep_update(dst[key], value)
+        else:
+            dst[key] = value
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {key!r}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _build(cls, raw: Mapping[str, Any], prefix: str):
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        valid = ", ".join(prefix + name for name in fields)
+        raise ValueError(
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; valid keys: {valid}"
+        )
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(prefix + name, hint, value)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, hint, value):
+    """Checks ``value`` against a field type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ValueError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(key, inner, value)
+    if hint is float and isinstance(value, str):
+        # PyYAML reads "1e-3" (no dot) as a string: YAML 1.1 wants "1.0e-3". Accept both.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[hint]
+    if not ok:
+        raise ValueError(f"{key}={value!r} is not valid; expected {hint.__name__}")
+    return float(value) if hint is float else value

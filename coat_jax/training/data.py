@@ -1,0 +1,246 @@
+"""Training data: text tokenized once into cached token files, packed into fixed-length windows.
+
+Every document is tokenized and followed by the tokenizer's end-of-sequence id; the last
+``val_fraction`` of each document's tokens goes to validation, so every source is represented in
+both splits. The token streams are written once to ``<cache_dir>/<key>/{train,val}.bin`` (raw
+uint16 or uint32, read back with ``np.memmap``); the key hashes the source bytes, the tokenizer and
+the split, so a changed corpus or tokenizer never reuses a stale cache.
+
+Packing cuts a stream into non-overlapping windows of ``seq_len + 1`` tokens (inputs and shifted
+targets share one window). The training order is a permutation of the windows per epoch drawn
+from ``(seed, epoch)``, so the batch at any position is a pure function of the seed and the
+position: resuming needs only the position, which the checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
+
+_CACHE_FORMAT = 1
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Tokenizer:
+    """What the data pipeline needs of a tokenizer: ``encode``, ``eos_id``, size and identity.
+
+    Wraps ``coat_jax.tokenizer.ByteTokenizer`` or a transformers tokenizer. ``identity`` names the
+    exact vocabulary (a hash of the fast tokenizer's JSON), so caches and checkpoints made with
+    another tokenizer are never mistaken for this one's.
+    """
+
+    def __init__(self, tok, source: str):
+        self._tok = tok
+        self._fast = getattr(tok, "backend_tokenizer", None)
+        if isinstance(tok, ByteTokenizer):
+            self.identity = f"coat_jax.ByteTokenizer(vocab_size={tok.vocab_size})"
+            self.vocab_size = tok.vocab_size
+        elif self._fast is not None:
+            self.identity = hashlib.sha256(self._fast.to_str().encode()).hexdigest()
+            self.vocab_size = len(tok)
+        else:
+            raise ValueError(
+                f"tokenizer from {source!r} ({type(tok).__name__}) is not a fast tokenizer; "
+                "use tokenizer=byte or a folder with tokenizer.json"
+            )
+        eos = getattr(tok, "eos_token_id", None)
+        if eos is None:
+            raise ValueError(
+                f"tokenizer from {source!r} has no end-of-sequence token, so documents cannot "
+                "be separated; use tokenizer=byte or a tokenizer with an eos token"
+            )
+        self.eos_id = int(eos)
+
+    def encode(self, text: str) -> np.ndarray:
+        # One call per document: splitting it first could change the tokens at the cut points.
+        if self._fast is not None:
+            ids = self._fast.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._tok.encode(text)
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def make_tokenizer(spec: str, init_from: str | None) -> Tokenizer:
+    """``"byte"``, ``"init_from"`` (the checkpoint's own tokenizer) or a tokenizer path."""
+    if spec == "byte":
+        return Tokenizer(ByteTokenizer(), spec)
+    if spec == "init_from":
+        if init_from is None:
+            raise ValueError("tokenizer=init_from needs init_from to name a checkpoint")
+        spec = init_from
+    return Tokenizer(load_tokenizer(spec), spec)
+
+
+def resolve_path(path: str) -> Path:
+    """Finds a relative path in the working directory first, then in the repository root."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        candidates = [p]
+    else:
+        candidates = [Path.cwd() / p, REPO_ROOT / p]
+    for c in candidates:
+        if c.exists():
+            return c
+    tried = ", ".join(repr(str(c)) for c in candidates)
+    raise ValueError(f"data path {path!r} does not exist (looked for {tried})")
+
+
+def read_documents(path: Path) -> list[tuple[str, str]]:
+    """Reads ``(name, text)`` pairs from a .txt file, a directory of them, or a tar archive."""
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in (".txt", ".md"))
+        docs = [(str(f.relative_to(path)), f.read_text(encoding="utf-8")) for f in files]
+    elif tarfile.is_tarfile(path):
+        with tarfile.open(path) as tar:
+            members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
+            docs = [(m.name, tar.extractfile(m).read().decode("utf-8")) for m in members]
+    else:
+        docs = [(path.name, path.read_text(encoding="utf-8"))]
+    docs = [(name, text) for name, text in docs if text.strip()]
+    if not docs:
+        raise ValueError(f"no text documents found in {str(path)!r}")
+    return docs
+
+
+def _source_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TokenFiles:
+    train: np.ndarray
+    val: np.ndarray
+    directory: Path
+
+
+def tokenize_to_cache(data_path: str, tokenizer, cache_dir: str, val_fraction: float) -> TokenFiles:
+    """Tokenizes the corpus once and memory-maps the cached train and validation token files."""
+    source = resolve_path(data_path)
+    key = hashlib.sha256(
+        json.dumps(
+            [_CACHE_FORMAT, _source_digest(source), tokenizer.identity, val_fraction]
+        ).encode()
+    ).hexdigest()[:24]
+    root = Path(cache_dir).expanduser()
+    final = root / key
+    if not (final / "meta.json").exists():
+        _write_cache(source, tokenizer, val_fraction, root, final)
+    meta = json.loads((final / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    train = np.memmap(final / "train.bin", dtype=dtype, mode="r")
+    val = np.memmap(final / "val.bin", dtype=dtype, mode="r")
+    if len(train) != meta["train_tokens"] or len(val) != meta["val_tokens"]:
+        raise ValueError(f"token cache {str(final)!r} is truncated; delete it to re-tokenize")
+    return TokenFiles(train=train, val=val, directory=final)
+
+
+def _write_cache(source: Path, tokenizer, val_fraction: float, root: Path, final: Path) -> None:
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    train_parts, val_parts = [], []
+    for _, text in read_documents(source):
+        ids = np.concatenate([tokenizer.encode(text), [tokenizer.eos_id]])
+        cut = int(round(len(ids) * (1.0 - val_fraction)))
+        train_parts.append(ids[:cut])
+        val_parts.append(ids[cut:])
+    train = np.concatenate(train_parts).astype(dtype)
+    val = np.concatenate(val_parts).astype(dtype)
+    root.mkdir(parents=True, exist_ok=True)
+    # Written in a scratch directory and renamed into place, so a crash never leaves a cache
+    # that looks complete; a concurrent writer that wins the rename is equally good.
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    try:
+        train.tofile(tmp / "train.bin")
+        val.tofile(tmp / "val.bin")
+        meta = {
+            "format": _CACHE_FORMAT,
+            "source": str(source),
+            "tokenizer": tokenizer.identity,
+            "dtype": np.dtype(dtype).name,
+            "train_tokens": len(train),
+            "val_tokens": len(val),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class PackedWindows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, split: str):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(
+                f"the {split} split has {len(tokens)} tokens, too few for one window of "
+                f"seq_len={seq_len}; use a shorter seq_len or more data"
+            )
+
+    def gather(self, window_ids: np.ndarray) -> np.ndarray:
+        starts = np.asarray(window_ids, dtype=np.int64) * self.seq_len
+        offsets = np.arange(self.seq_len + 1)
+        return np.asarray(self.tokens[starts[:, None] + offsets], dtype=np.int32)
+
+
+class TrainOrder:
+    """Shuffled window order; batch ``k`` of any run with this seed is the same windows."""
+
+    def __init__(self, windows: PackedWindows, seed: int):
+        self.windows = windows
+        self.seed = seed
+        self._epoch = -1
+        self._perm = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = rng.permutation(self.windows.num_windows)
+            self._epoch = epoch
+        return self._perm
+
+    def take(self, position: int, count: int) -> np.ndarray:
+        """The ``count`` windows starting at sequence ``position``, as int32 ``[count, T + 1]``."""
+        ids = np.empty(count, dtype=np.int64)
+        for i in range(count):
+            epoch, j = divmod(position + i, self.windows.num_windows)
+            ids[i] = self._permutation(epoch)[j]
+        return self.windows.gather(ids)
+
+
+def validation_batches(windows: PackedWindows, batch_size: int, num_batches: int) -> Iterator:
+    """The first ``num_batches`` full batches of validation windows, in corpus order."""
+    available = windows.num_windows // batch_size
+    if available < 1:
+        raise ValueError(
+            f"validation split has {windows.num_windows} windows, fewer than batch_size="
+            f"{batch_size}; raise val_fraction or lower batch_size"
+        )
+    for b in range(min(num_batches, available)):
+        yield windows.gather(np.arange(b * batch_size, (b + 1) * batch_size))

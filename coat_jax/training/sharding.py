@@ -1,0 +1,106 @@
+"""Device mesh and FSDP-style shardings for parameters and (FP8) optimizer state.
+
+The mesh has axes ``("data", "fsdp")``. Batches are split over both axes; each parameter is
+split over ``fsdp`` along its largest axis that ``fsdp`` divides (the first such axis on ties,
+so square matrices split rows and their per-group statistics can follow), and replicated over
+``data``. An optimizer-state leaf follows the parameter it belongs to: a leaf of the parameter's
+rank (FP8 codes, shape ``p.shape``; per-group statistics, ``p.shape[:-1] + (groups,)``) takes the
+parameter's spec with any axis the leaf's size there does not divide left unsplit; other leaves
+(step counts, scalars) are replicated. On one device every spec is trivially replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "fsdp")
+BATCH_AXES = AXES
+
+
+def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
+    """A ``(data, fsdp)`` mesh; a size of -1 takes all devices the other axis leaves."""
+    devices = jax.devices() if devices is None else devices
+    n = len(devices)
+    if data == -1:
+        if n % fsdp:
+            raise ValueError(f"mesh.fsdp={fsdp} does not divide the {n} available devices")
+        data = n // fsdp
+    if fsdp == -1:
+        if n % data:
+            raise ValueError(f"mesh.data={data} does not divide the {n} available devices")
+        fsdp = n // data
+    if data * fsdp > n:
+        raise ValueError(
+            f"mesh data={data} x fsdp={fsdp} needs {data * fsdp} devices, only {n} available"
+        )
+    return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), AXES)
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
+    """Splits the largest axis that ``fsdp_size`` divides (earliest on ties); else replicates."""
+    if fsdp_size == 1 or not shape:
+        return PartitionSpec()
+    candidates = [i for i, d in enumerate(shape) if d % fsdp_size == 0]
+    if not candidates:
+        return PartitionSpec()
+    axis = max(candidates, key=lambda i: (shape[i], -i))
+    return PartitionSpec(*[("fsdp" if i == axis else None) for i in range(len(shape))])
+
+
+def param_shardings(abstract_params, mesh: Mesh):
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(lambda p: NamedSharding(mesh, fsdp_spec(p.shape, fsdp)), abstract_params)
+
+
+def _follow(spec: PartitionSpec, param_shape, leaf_shape, mesh: Mesh) -> PartitionSpec:
+    if len(leaf_shape) != len(param_shape):
+        return PartitionSpec()
+    entries = list(spec) + [None] * (len(leaf_shape) - len(spec))
+    for i, name in enumerate(entries):
+        if name is not None and leaf_shape[i] % mesh.shape[name]:
+            entries[i] = None
+    return PartitionSpec(*entries)
+
+
+def state_shardings(abstract_opt_state, abstract_params, mesh: Mesh):
+    """Shardings for an optimizer state whose param-like leaves sit at the params' key paths.
+
+    Optax states (``ScaleByAdamState``, ``ScaleByCoatAdamState``, ``MaskedState``, chains) hold
+    trees mirroring the params, so a leaf belongs to the parameter whose full key path ends its
+    own key path.
+    """
+    fsdp = mesh.shape["fsdp"]
+    by_path = {
+        tuple(path): p for path, p in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    }
+    longest = max((len(k) for k in by_path), default=0)
+
+    def shard(path, leaf):
+        for n in range(min(longest, len(path)), 0, -1):
+            param = by_path.get(tuple(path[-n:]))
+            if param is not None:
+                spec = _follow(fsdp_spec(param.shape, fsdp), param.shape, leaf.shape, mesh)
+                return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(shard, abstract_opt_state)
+
+
+def batch_sharding(mesh: Mesh, *, batch_axis: int, rank: int) -> NamedSharding:
+    """Splits the batch axis of a token array over every mesh device."""
+    spec = [None] * rank
+    spec[batch_axis] = BATCH_AXES
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def check_batch_divisible(batch_size: int, mesh: Mesh) -> None:
+    ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    if batch_size % ways:
+        raise ValueError(
+            f"batch_size={batch_size} must be a multiple of the mesh's data x fsdp = {ways} "
+            "devices (each device takes an equal share of every batch)"
+        )
