@@ -46,6 +46,15 @@ def environment() -> dict:
     }
 
 
+def parse_modes(text: str, valid) -> list[str]:
+    """``--modes a,b`` -> ``["a", "b"]``, rejecting names not in ``valid``."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in valid]
+    if bad or not modes:
+        raise ValueError(f"--modes has {bad or modes}; valid: {list(valid)}")
+    return modes
+
+
 def command_line() -> str:
     return "python " + " ".join(shlex.quote(a) for a in sys.argv)
 

@@ -660,10 +660,7 @@ def main(argv=None) -> None:
     if args.worker:
         worker(args)
         return
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"--modes has {bad or modes}; valid: {list(MODES)}")
+    modes = C.parse_modes(args.modes, MODES)
     os.makedirs(args.out_dir, exist_ok=True)
     jsonl = os.path.join(args.out_dir, "e2e.jsonl")
     if args.report_only:
