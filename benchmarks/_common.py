@@ -20,6 +20,7 @@ import time
 from collections import Counter
 
 GIB = 1024**3
+GPU_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 # On the GPU JAX pre-allocates 75% of the card by default; the end-to-end step of a 7B model needs
 # nearly all of it, so children run with a higher fraction (set before jax is imported).
@@ -30,6 +31,10 @@ def child_env() -> dict:
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
     env["PYTHONUNBUFFERED"] = "1"
+    # Every mode compiles without XLA's Triton GEMM fusion, so that the FP8 GEMMs become cuBLASLt
+    # FP8 GEMMs (coat_jax.fp8_ops.fp8_compiler_options); BF16 GEMMs go to cuBLAS either way.
+    if "xla_gpu_enable_triton_gemm" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + GPU_XLA_FLAGS).strip()
     return env
 
 

@@ -162,101 +162,6 @@ def worker(args) -> None:
         )
 
 
-def probe_fp8(args) -> None:
-    """Which spellings of an FP8 GEMM this XLA rewrites to cuBLASLt FP8 (compile only).
-
-    The layer's compiled step holds no ``__cublas$lt$matmul$f8`` on the H200 (JAX 0.11.2); this
-    narrows down where the pattern breaks: the bare pattern, the optimization barrier that
-    ``fp8_ops.materialize`` adds, a reshape between the FP8 codes and the convert, and
-    ``fp8_linear`` itself (2-D and 3-D input, both quantizer implementations, fwd and fwd+bwd).
-    Writes one record per variant and the optimized HLO of the 3-D ``fp8_linear`` forward.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from coat_jax import fp8_ops
-
-    b, t, k, n = 4, 2048, 4096, 11008
-    f8 = jnp.float8_e4m3fn
-    sds = jax.ShapeDtypeStruct
-    a8_2d, a8_3d = sds((b * t, k), f8), sds((b, t, k), f8)
-    b8, s = sds((k, n), f8), sds((), jnp.float32)
-    x2, x3, w = (
-        sds((b * t, k), jnp.bfloat16),
-        sds((b, t, k), jnp.bfloat16),
-        sds((k, n), jnp.float32),
-    )
-    dims = (((1,), (0,)), ((), ()))
-
-    def pattern(dq, barrier=False, reshape=False, out=jnp.bfloat16):
-        def f(a8, b8, sa, sb):
-            if barrier:
-                a8, sa = jax.lax.optimization_barrier((a8, sa))
-            if reshape:
-                a8 = a8.reshape(-1, a8.shape[-1])
-            a = a8.astype(dq) * sa.astype(dq)
-            bb = b8.astype(dq) * sb.astype(dq)
-            return jax.lax.dot_general(a, bb, dims, preferred_element_type=out).astype(out)
-
-        return f
-
-    def linear(cfg, grad=False):
-        if not grad:
-            return lambda x, w: fp8_ops.fp8_linear(x, w, cfg)
-
-        def loss(x, w):
-            return jnp.sum(fp8_ops.fp8_linear(x, w, cfg).astype(jnp.float32))
-
-        return jax.grad(loss, (0, 1))
-
-    default = fp8_ops.DEFAULT_CONFIG
-    variants = {
-        "pattern dq=bf16": (pattern(jnp.bfloat16), (a8_2d, b8, s, s)),
-        "pattern dq=f32 out=bf16": (pattern(jnp.float32), (a8_2d, b8, s, s)),
-        "pattern dq=f32 out=f32": (pattern(jnp.float32, out=jnp.float32), (a8_2d, b8, s, s)),
-        "pattern dq=bf16 + barrier": (pattern(jnp.bfloat16, barrier=True), (a8_2d, b8, s, s)),
-        "pattern dq=f32 + barrier": (pattern(jnp.float32, barrier=True), (a8_2d, b8, s, s)),
-        "pattern dq=bf16 3-D codes reshaped": (
-            pattern(jnp.bfloat16, reshape=True),
-            (a8_3d, b8, s, s),
-        ),
-        "pattern dq=f32 3-D codes reshaped": (
-            pattern(jnp.float32, reshape=True),
-            (a8_3d, b8, s, s),
-        ),
-    }
-    for impl in ("auto", "xla"):
-        for dq in fp8_ops.GEMM_DEQUANT:
-            cfg = fp8_ops.FP8Config(implementation=impl, gemm_dequant=dq)
-            tag = f"impl={impl} dequant={dq}"
-            variants[f"fp8_linear fwd 2-D {tag}"] = (linear(cfg), (x2, w))
-            variants[f"fp8_linear fwd 3-D {tag}"] = (linear(cfg), (x3, w))
-            variants[f"fp8_linear fwd+bwd 3-D {tag}"] = (linear(cfg, grad=True), (x3, w))
-    env = C.environment()
-    for name, (fn, fargs) in variants.items():
-        try:
-            hlo = jax.jit(fn).lower(*fargs).compile().as_text() or ""
-        except Exception as e:  # noqa: BLE001 - report and go on with the other variants
-            C.append_jsonl(args.jsonl, {"kind": "probe", "variant": name, "error": str(e)[:300]})
-            print(f"[probe] {name}: error {str(e)[:200]}", flush=True)
-            continue
-        calls = C.custom_call_counts(hlo)
-        rec = {
-            "kind": "probe",
-            "variant": name,
-            **env,
-            "fp8_gemms": calls.get(C.FP8_GEMM_TARGET, 0),
-        }
-        rec["hlo_calls"] = calls
-        C.append_jsonl(args.jsonl, rec)
-        print(f"[probe] {name}: FP8 GEMMs {rec['fp8_gemms']}, custom calls {calls}", flush=True)
-        if name == f"fp8_linear fwd 3-D impl=auto dequant={default.gemm_dequant}":
-            with open(
-                os.path.join(os.path.dirname(args.jsonl), "fp8_linear_fwd.hlo.txt"), "w"
-            ) as f:
-                f.write(hlo)
-
-
 def write_docs(path: str | None, records: list[dict], command: str) -> str:
     rows = [r for r in records if r["kind"] == "layer"]
     lines = ["# One Llama-2-7B decoder layer, forward + backward (issue 7)", ""]
@@ -338,7 +243,6 @@ def main(argv=None) -> None:
     p.add_argument(
         "--report-only", action="store_true", help="only rewrite --docs/--plot from out-dir"
     )
-    p.add_argument("--probe-fp8", action="store_true", help="only the FP8 GEMM pattern probe")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--jsonl", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -360,9 +264,6 @@ def main(argv=None) -> None:
     jsonl = os.path.join(args.out_dir, "layer.jsonl")
     if args.report_only:
         return report(args, jsonl)
-    if args.probe_fp8:
-        args.jsonl = os.path.join(args.out_dir, "probe.jsonl")
-        return probe_fp8(args)
     command = C.command_line()
     C.append_jsonl(jsonl, {"kind": "command", "command": command})
     for mode in modes:

@@ -23,6 +23,7 @@ _EXPORTS = {
     "OpSet": "coat_jax.fp8_ops",
     "fp8_add": "coat_jax.fp8_ops",
     "fp8_attention": "coat_jax.fp8_ops",
+    "fp8_compiler_options": "coat_jax.fp8_ops",
     "fp8_dot_general": "coat_jax.fp8_ops",
     "fp8_linear": "coat_jax.fp8_ops",
     "fp8_mul": "coat_jax.fp8_ops",

@@ -74,10 +74,10 @@ class FP8Config:
         quantizers and the fused non-linear kernels. The GEMMs are always XLA dots.
       interpret: run Pallas kernels in interpret mode (CPU tests).
       tiles: tile sizes of the Pallas kernels.
-      gemm_dequant: dtype of the ``convert(codes) * scale`` operands of the FP8 GEMM pattern:
-        "float32" (default: on the H200 with JAX 0.11.2, XLA rewrote this spelling to cuBLASLt's
-        FP8 GEMM while a BF16 one went to a Triton BF16 GEMM) or "compute" (the activations'
-        dtype).
+      gemm_dequant: dtype the FP8 codes are converted to in the ``dot(convert(codes), ...)``
+        pattern that XLA rewrites to cuBLASLt's FP8 GEMM: "float32" (default) or "compute" (the
+        activations' dtype). Both are exact (FP8 values are exact in BF16); the GEMM accumulates
+        in float32 either way. docs/fp8_gemm.md has which spellings the H200 rewrites.
     """
 
     act_format: str = "e4m3"
@@ -154,24 +154,49 @@ def _per_tensor(x, fmt, config: FP8Config):
     return materialize(codes_scale)
 
 
-def _dequant(codes, scale, dtype):
-    # The convert-then-multiply-by-scalar form is what XLA's GEMM rewriter matches to an FP8 GEMM.
-    return codes.astype(dtype) * scale.astype(dtype)
+# XLA options under which the FP8 GEMMs compile to cuBLASLt FP8 on a GPU (H200, JAX 0.11.2,
+# docs/fp8_gemm.md). By default XLA's Triton GEMM pass wraps every dot whose operands are
+# ``convert(fp8)`` into a Triton fusion and autotunes it: a Llama-2-7B layer then took longer than
+# 240 s to compile. With Triton GEMMs off the dots go to the cuBLAS rewriter, which emits
+# ``__cublas$lt$matmul$f8``.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+GPU_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
+
+
+def fp8_compiler_options(backend: str | None = None) -> dict | None:
+    """``jax.jit(..., compiler_options=...)`` for programs that use the FP8 linears.
+
+    On a GPU backend this turns off XLA's Triton GEMM fusion, so that the FP8 GEMMs become
+    cuBLASLt FP8 GEMMs and compile in seconds; elsewhere it returns ``None`` (no options). The
+    same setting for a whole process: ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false``
+    (:data:`GPU_XLA_FLAGS`), set before JAX starts.
+
+    Example:
+      >>> step = jax.jit(lambda x: x + 1, compiler_options=fp8_compiler_options())
+    """
+    backend = backend or jax.default_backend()
+    return dict(GPU_COMPILER_OPTIONS) if backend in ("gpu", "cuda", "rocm") else None
 
 
 def _fp8_dot(a_codes, a_scale, b_codes, b_scale, contracting, config, compute_dtype, out_dtype):
-    if config.gemm_dequant == "float32":
-        compute_dtype = jnp.float32
-    # Accumulate in float32 and convert after the dot, the form of the dequantize-dot pattern
-    # that a standalone probe on the H200 saw rewritten to cuBLASLt FP8 (docs/bench_layer.md:
-    # inside fp8_linear it still was not, as of 2026-11-29).
-    out = jax.lax.dot_general(
-        _dequant(a_codes, a_scale, compute_dtype),
-        _dequant(b_codes, b_scale, compute_dtype),
+    """``(a_codes * a_scale) . (b_codes * b_scale)`` as one FP8 GEMM, float32 accumulation.
+
+    Spelled ``dot(convert(a_codes), convert(b_codes)) * (a_scale * b_scale)``. On the GPU, XLA's
+    Triton GEMM pass runs before its cuBLAS FP8 rewriter and pulls the dot's operand producers
+    into a fusion; it takes ``convert(codes)`` but leaves ``convert(codes) * scale`` outside when
+    the scale is computed in the same program, and the dot then compiles to a float32 GEMM on
+    dequantized copies. With the scales applied after the dot, the rewriter sees FP8 operands
+    and folds the scalar product into cuBLASLt's scale arguments (measured on the H200 with JAX
+    0.11.2 by ``benchmarks/probe_fp8_gemm.py``: docs/fp8_gemm.md).
+    """
+    dtype = jnp.float32 if config.gemm_dequant == "float32" else compute_dtype
+    acc = jax.lax.dot_general(
+        a_codes.astype(dtype),
+        b_codes.astype(dtype),
         (contracting, ((), ())),
-        preferred_element_type=jnp.promote_types(compute_dtype, jnp.float32),
+        preferred_element_type=jnp.float32,
     )
-    return out.astype(out_dtype)
+    return (acc * (a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32))).astype(out_dtype)
 
 
 def _as_weights(w) -> tuple:

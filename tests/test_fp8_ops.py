@@ -405,16 +405,96 @@ def test_dot_general_drop_in_for_nnx_linear():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-def test_fp8_linear_compiles_to_cublaslt_fp8():
-    x = jax.random.normal(jax.random.key(0), (256, 512), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(1), (512, 256), jnp.float32)
-    c = jax.random.normal(jax.random.key(2), (256, 256), jnp.float32)
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("n_weights", [1, 2])
+def test_fp8_linear_compiles_to_cublaslt_fp8(implementation, n_weights):
+    # Llama-2-7B-sized projections (compile only): every GEMM of forward, dgrad and wgrad must
+    # be cuBLASLt's FP8 GEMM, none a BF16/float32 GEMM or a Triton GEMM fusion.
+    sds = jax.ShapeDtypeStruct
+    x = sds((2, 1024, 4096), jnp.bfloat16)
+    ws = tuple(sds((4096, n), jnp.float32) for n in (4096, 1024)[:n_weights])
+    cs = tuple(sds((2, 1024, w.shape[1]), jnp.float32) for w in ws)
+    config = FP8Config(implementation=implementation)
 
-    def loss(x, w, c):
-        # A cotangent that is an argument, so XLA cannot constant-fold the gradient path.
-        return jnp.sum(fp8_ops.fp8_linear(x, w, FP8Config()).astype(jnp.float32) * c)
+    def loss(x, ws, cs):
+        # Cotangents that are arguments, so XLA cannot constant-fold the gradient path.
+        ys = fp8_ops.fp8_linear(x, ws if n_weights > 1 else ws[0], config)
+        ys = ys if n_weights > 1 else (ys,)
+        return sum(jnp.sum(y.astype(jnp.float32) * c) for y, c in zip(ys, cs, strict=True))
 
-    hlo = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w, c).compile().as_text()
-    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
-    # forward, dgrad and wgrad
-    assert hlo.count("__cublas$lt$matmul$f8") >= 3, targets
+    hlo = (
+        jax.jit(jax.value_and_grad(loss, (0, 1)), compiler_options=fp8_ops.fp8_compiler_options())
+        .lower(x, ws, cs)
+        .compile()
+        .as_text()
+    )
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    # forward, dgrad and wgrad per weight
+    assert targets.count("__cublas$lt$matmul$f8") == 3 * n_weights, sorted(targets)
+    assert "__cublas$lt$matmul" not in targets and "__cublas$gemm" not in targets, targets
+    assert "__triton_gemm" not in hlo
+
+
+def _sub_jaxprs(values):
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            yield from _sub_jaxprs(v)
+        elif hasattr(v, "eqns"):
+            yield v
+        elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+            yield v.jaxpr
+
+
+def _dot_operand_sources(jaxpr) -> list[tuple[str, str]]:
+    """For every dot_general in ``jaxpr`` (recursively), the dtypes its operands were converted
+    from, or ``"not a convert"``."""
+    found = []
+
+    def walk(jx):
+        producers = {}
+        for eqn in jx.eqns:
+            for out in eqn.outvars:
+                producers[out] = eqn
+            if eqn.primitive.name == "dot_general":
+                srcs = []
+                for v in eqn.invars:
+                    p = producers.get(v)
+                    if p is not None and p.primitive.name == "convert_element_type":
+                        srcs.append(str(p.invars[0].aval.dtype))
+                    else:
+                        srcs.append("not a convert")
+                found.append(tuple(srcs))
+            for sub in _sub_jaxprs(eqn.params.values()):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_fp8_linear_dots_take_fp8_codes_directly(implementation):
+    # The spelling XLA's cuBLASLt FP8 rewriter needs (docs/fp8_gemm.md): every GEMM of forward,
+    # dgrad and wgrad is a dot of convert(float8 codes), with the scales applied after the dot.
+    # A dequantize-then-dot (convert * scale, or a float32/BF16 operand) would compile to a
+    # float32 or BF16 GEMM on the GPU.
+    config = FP8Config(implementation=implementation, interpret=True)
+    x = jnp.ones((2, 16, 64), jnp.bfloat16)
+    ws = (jnp.ones((64, 32)), jnp.ones((64, 16)))
+
+    def loss(x, ws):
+        ys = fp8_ops.fp8_linear(x, ws, config)
+        return sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in ys)
+
+    sources = _dot_operand_sources(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, ws))
+    assert len(sources) == 6, sources  # (forward, dgrad, wgrad) x 2 weights
+    fp8 = {"float8_e4m3fn", "float8_e5m2"}
+    assert all(set(pair) <= fp8 for pair in sources), sources
+
+
+def test_fp8_compiler_options_only_on_gpu():
+    assert fp8_ops.fp8_compiler_options("cpu") is None
+    opts = fp8_ops.fp8_compiler_options("gpu")
+    assert opts == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+    assert fp8_ops.GPU_XLA_FLAGS == " ".join(
+        f"--{k}={str(v).lower()}" for k, v in fp8_ops.GPU_COMPILER_OPTIONS.items()
+    )

@@ -28,6 +28,7 @@ import yaml
 from flax import nnx
 
 from coat_jax.checkpoint_io import from_pretrained
+from coat_jax.fp8_ops import fp8_compiler_options
 from coat_jax.llama import Llama, LlamaConfig
 from coat_jax.optim import coat_adamw
 from coat_jax.training import sharding
@@ -404,8 +405,12 @@ def _run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, stop_at, say) 
         in_shardings=(param_sh, opt_sh, batch_sh),
         out_shardings=(param_sh, opt_sh, None),
         donate_argnums=(0, 1),
+        # On a GPU: no Triton GEMM fusion, so that the FP8 linears compile to cuBLASLt FP8 GEMMs.
+        compiler_options=fp8_compiler_options(),
     )
-    eval_fn = jax.jit(lambda p, t: next_token_loss(model_def, p, t))
+    eval_fn = jax.jit(
+        lambda p, t: next_token_loss(model_def, p, t), compiler_options=fp8_compiler_options()
+    )
     log = MetricsLog(out / "metrics.jsonl", resume_step=step if cfg.resume else None)
     sequences_per_step = cfg.batch_size * cfg.grad_accum
     last_step = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
