@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         g.__name__ = f"v_fp8_linear_grad_{impl}_{dq}"
         return g
 
-    NO_TRITON = {"xla_gpu_enable_triton_gemm": False}
+    NO_TRITON = dict(fp8_ops.GPU_COMPILER_OPTIONS)  # Triton GEMM and dot merger off
     x, w = sds((m, k), jnp.bfloat16), sds((k, n), jnp.float32)
     a8, b8, s = sds((m, k), f8), sds((k, n), f8), sds((), jnp.float32)
     c = sds((m, n), jnp.float32)
@@ -194,19 +195,21 @@ def main(argv=None) -> int:
             continue
         try:
             options = opts[0] if opts else None
+            t0 = time.perf_counter()
             hlo = jax.jit(fn).lower(*fargs).compile(compiler_options=options).as_text() or ""
+            compile_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
-            rows.append((name, "error", str(e)[:200]))
+            rows.append((name, "error", float("nan"), str(e)[:200]))
             continue
         calls = C.custom_call_counts(hlo)
-        rows.append((name, calls.get(C.FP8_GEMM_TARGET, 0), calls))
+        rows.append((name, calls.get(C.FP8_GEMM_TARGET, 0), compile_s, calls))
         if args.dump:
             with open(os.path.join(args.dump, f"final_{name}.txt"), "w") as f:
                 f.write(hlo)
     print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}, m={m} k={k} n={n}")
-    print(f"{'variant':32s} {'FP8 GEMMs':>9s}  custom calls")
-    for name, count, calls in rows:
-        print(f"{name:32s} {count!s:>9s}  {calls}")
+    print(f"{'variant':38s} {'FP8 GEMMs':>9s} {'compile s':>9s}  custom calls")
+    for name, count, compile_s, calls in rows:
+        print(f"{name:38s} {count!s:>9s} {compile_s:9.1f}  {calls}")
     return 0
 
 
