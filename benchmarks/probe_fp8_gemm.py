@@ -94,15 +94,15 @@ def main(argv=None) -> int:
         sb = jnp.max(jnp.abs(w)) / 448.0
         return sa, sb
 
-    def v_scale_after_dot(a8, b8, x, w):
+    def scale_after_dot(a8, b8, x, w, convert_to):
         sa, sb = plain_scales(x, w)
         y = jax.lax.dot_general(
-            a8.astype(jnp.float32),
-            b8.astype(jnp.float32),
-            dims,
-            preferred_element_type=jnp.float32,
+            a8.astype(convert_to), b8.astype(convert_to), dims, preferred_element_type=jnp.float32
         )
         return (y * (sa * sb)).astype(jnp.bfloat16)
+
+    def v_scale_after_dot(a8, b8, x, w):
+        return scale_after_dot(a8, b8, x, w, jnp.float32)
 
     def v_scale_barrier(a8, b8, x, w):
         sa, sb = jax.lax.optimization_barrier(plain_scales(x, w))
@@ -129,14 +129,7 @@ def main(argv=None) -> int:
         return dot32(a8, pallas_copy(sa), b8, pallas_copy(sb))
 
     def v_scale_after_dot_bf16(a8, b8, x, w):
-        sa, sb = plain_scales(x, w)
-        y = jax.lax.dot_general(
-            a8.astype(jnp.bfloat16),
-            b8.astype(jnp.bfloat16),
-            dims,
-            preferred_element_type=jnp.float32,
-        )
-        return (y * (sa * sb)).astype(jnp.bfloat16)
+        return scale_after_dot(a8, b8, x, w, jnp.bfloat16)
 
     def linear(impl, dq="float32"):
         cfg = fp8_ops.FP8Config(implementation=impl, gemm_dequant=dq)
