@@ -158,7 +158,8 @@ def _per_tensor(x, fmt, config: FP8Config):
 # docs/fp8_gemm.md). By default XLA's Triton GEMM pass wraps every dot whose operands are
 # ``convert(fp8)`` into a Triton fusion and autotunes it: a Llama-2-7B layer then took longer than
 # 240 s to compile. With Triton GEMMs off the dots go to the cuBLAS rewriter, which emits
-# ``__cublas$lt$matmul$f8``.
+# ``__cublas$lt$matmul$f8``. The dot merger is off too: it joins small dots that share an
+# operand (q|k|v) into one whose operand is a concatenation, no longer ``convert(codes)``.
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 GPU_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
 
@@ -166,10 +167,10 @@ GPU_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_thresho
 def fp8_compiler_options(backend: str | None = None) -> dict | None:
     """``jax.jit(..., compiler_options=...)`` for programs that use the FP8 linears.
 
-    On a GPU backend this turns off XLA's Triton GEMM fusion, so that the FP8 GEMMs become
-    cuBLASLt FP8 GEMMs and compile in seconds; elsewhere it returns ``None`` (no options). The
-    same setting for a whole process: ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false``
-    (:data:`GPU_XLA_FLAGS`), set before JAX starts.
+    On a GPU backend this turns off XLA's Triton GEMM fusion and its dot merger, so that the FP8
+    GEMMs become cuBLASLt FP8 GEMMs and compile in seconds; elsewhere it returns ``None`` (no
+    options). The same setting for a whole process is :data:`GPU_XLA_FLAGS` in ``XLA_FLAGS``,
+    set before JAX starts.
 
     Example:
       >>> step = jax.jit(lambda x: x + 1, compiler_options=fp8_compiler_options())
