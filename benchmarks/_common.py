@@ -20,7 +20,6 @@ import time
 from collections import Counter
 
 GIB = 1024**3
-GPU_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 # On the GPU JAX pre-allocates 75% of the card by default; the end-to-end step of a 7B model needs
 # nearly all of it, so children run with a higher fraction (set before jax is imported).
@@ -33,6 +32,8 @@ def child_env() -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     # Every mode compiles without XLA's Triton GEMM fusion, so that the FP8 GEMMs become cuBLASLt
     # FP8 GEMMs (coat_jax.fp8_ops.fp8_compiler_options); BF16 GEMMs go to cuBLAS either way.
+    from coat_jax.fp8_ops import GPU_XLA_FLAGS
+
     if "xla_gpu_enable_triton_gemm" not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + GPU_XLA_FLAGS).strip()
     return env

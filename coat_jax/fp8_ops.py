@@ -161,7 +161,7 @@ def _per_tensor(x, fmt, config: FP8Config):
 # ``__cublas$lt$matmul$f8``. The dot merger is off too: it joins small dots that share an
 # operand (q|k|v) into one whose operand is a concatenation, no longer ``convert(codes)``.
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
-GPU_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
+GPU_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in GPU_COMPILER_OPTIONS.items())
 
 
 def fp8_compiler_options(backend: str | None = None) -> dict | None:
