@@ -3,9 +3,12 @@
   python train.py                                        # the default: a tiny Llama, CPU-sized
   python train.py --config configs/smollm2_135m_finetune.yaml steps=200 output_dir=runs/smol
   python train.py output_dir=runs/default resume=true    # continue from the latest checkpoint
+  python train.py steps=50 --print-config                # show the resolved config, run nothing
 
-Every key of coat_jax.training.TrainConfig can be set in the YAML file or as key=value
-(section.key=value for model.* and mesh.*). Ctrl-C or SIGTERM saves a checkpoint and stops.
+Every key below can be set in the YAML file or as key=value (section.key=value for model.* and
+mesh.*). Ctrl-C or SIGTERM saves a checkpoint and stops. Afterwards:
+  python -m coat_jax.generate runs/default "It is a truth"      # sample from the run
+  python -m coat_jax.convert run-to-hf runs/default runs/hf     # export for transformers
 """
 
 import argparse
@@ -13,24 +16,50 @@ import signal
 import sys
 from pathlib import Path
 
+import yaml
+
 from coat_jax.training import load_config, train
+from coat_jax.training.cli import config_help
+from coat_jax.training.config import to_dict
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        description=__doc__,
+        epilog=config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--config",
         default=str(Path(__file__).resolve().parent / "configs" / "default.yaml"),
         help="YAML config file (default: configs/default.yaml)",
     )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as YAML and exit without training",
+    )
+    parser.add_argument(
+        "--plan",
+        nargs="?",
+        const="",
+        metavar="B1,B2,...",
+        help="compile the train step without running it and print XLA's peak memory (params, "
+        "optimizer state, activations, workspace) at these batch sizes (default: the config's) "
+        "and the largest batch that fits the device; then exit",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ValueError as e:
-        parser.error(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    if args.plan is not None:
+        return _plan(cfg, args.plan)
     try:
         result = train(cfg)
     except ValueError as e:
@@ -40,6 +69,25 @@ def main(argv=None) -> int:
         return 2
     if result.stopped_by is not None:
         return 128 + signal.Signals[result.stopped_by].value
+    return 0
+
+
+def _plan(cfg, text: str) -> int:
+    from coat_jax.training.plan import format_plan, plan_memory
+
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()] or None
+    except ValueError:
+        print(
+            f"error: --plan {text!r} is not a comma-separated list of batch sizes", file=sys.stderr
+        )
+        return 2
+    try:
+        rows, largest, limit = plan_memory(cfg, batches)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(rows, largest, limit, cfg))
     return 0
 
 

@@ -1,39 +1,37 @@
-"""End-to-end training step of Llama-2-7B on one GPU: bf16 vs fp8 vs COAT (issue 7, paper Table 7).
+"""train.py's own training step, Llama-2-7B on one GPU: each precision at its best setting.
 
-One step = forward, backward and optimizer update, jitted with parameters and optimizer state
-donated (``donate_argnums=(0, 1)``), from random initialisation (nothing is loaded):
+What is timed is what ``python train.py --config configs/llama2_7b.yaml`` runs: the config is
+loaded with ``coat_jax.training.load_config`` and the model, optimizer (with the config's
+schedule, gradient clipping and weight-decay mask), shardings and jitted step come from
+``coat_jax.training.loop.build_program``; nothing here builds a model of its own.
 
-* ``bf16`` + ``optax.adamw`` (float32 master weights and moments; the JAX user's baseline);
-* ``fp8``  + ``optax.adamw`` (FP8 linear layers only: the TransformerEngine-like point);
-* ``coat`` + ``coat_jax.coat_adamw`` (FP8 activations and FP8 moments).
+A *setting* is ``mode:layout:remat``: the precision (``bf16`` + ``optax.adamw``, ``fp8`` +
+``optax.adamw``, ``coat`` + ``coat_adamw``), the layer layout (``scan`` or ``unrolled``, the
+config's ``scan_layers``) and the remat policy (``coat_jax.llama.REMAT_POLICIES``, the config's
+``remat``). Each setting runs in its own process, so the allocator's ``peak_bytes_in_use`` is its
+own. Per setting: init and compile seconds, peak device memory and tokens/s at
+``--equal-batch``; the largest batch that fits, searched with compile-only
+``memory_analysis()`` against the device's ``bytes_limit`` (an affine fit over the compiled
+peaks, then confirmed by running it), and tokens/s there. The report takes each mode's best
+setting for each column and states the ratios against BF16's best.
 
-The model is ``coat_jax.llama``'s ``DecoderLayer`` with its layers **stacked and run through
-``jax.lax.scan``**: one ``DecoderLayer`` is split with ``nnx.split`` for its graphdef, the stacked
-parameters are created directly on the device by a jitted ``jax.vmap`` of the layer's init (no
-27 GB host copy), and the scan body rebuilds the layer with ``nnx.merge``. The embedding, final
-norm and LM head are as in ``coat_jax.llama.Llama`` (``--tiny`` checks the logits equal
-``Llama``'s). Scanning compiles one layer instead of 32, which keeps compile time inside the
-device's 10-minute call limit. The scan body is a ``jax.checkpoint`` whose policy (``--remat``,
-``REMAT_POLICIES``) stops it from keeping per-layer copies of the weights (BF16 casts, q|k|v and
-gate|up concatenations) for backward; without it the scan keeps 12 to 17 GiB of them.
+``--first-step`` also times ``python train.py --config configs/llama2_7b.yaml`` itself from
+launch to its first logged step (a child process, stopped once that line is written).
 
-Each mode runs in its own subprocess, so the allocator's ``peak_bytes_in_use`` is that mode's.
-Per mode: peak device memory and tokens/s at ``--equal-batch``; the largest batch that fits,
-searched with compile-only ``jit(...).lower(...).compile().memory_analysis()`` against the
-device's ``bytes_limit`` (an affine fit over two batch sizes predicts it; the prediction is
-compiled, stepped down until it fits, then confirmed by running it), and tokens/s there.
 Records are appended to ``<out-dir>/e2e.jsonl`` as they come, so a timeout keeps what was done.
 
-    python benchmarks/bench_e2e.py --tiny                       # CPU smoke test, seconds
-    python benchmarks/bench_e2e.py --out-dir runs/e2e --docs docs/bench_e2e.md --plot \\
-        docs/benchmarks_e2e.png                                 # one H200
+    python benchmarks/bench_e2e.py --tiny                        # CPU smoke test
+    python benchmarks/bench_e2e.py --settings bf16:unrolled:none,coat:scan:activations \\
+        --first-step --out-dir runs/e2e --docs docs/bench_e2e.md  # one H200
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -44,183 +42,80 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 MODES = ("bf16", "fp8", "coat")
-OPTIMIZER = {"bf16": "optax.adamw", "fp8": "optax.adamw", "coat": "coat_jax.coat_adamw"}
-LR, WD = 1e-4, 0.1
+LAYOUTS = ("scan", "unrolled")
+OPTIMIZER = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
+CONFIG_7B = os.path.join(ROOT, "configs", "llama2_7b.yaml")
+CONFIG_TINY = os.path.join(ROOT, "configs", "default.yaml")
+TINY_MODEL = [
+    "model.vocab_size=256",
+    "model.hidden_size=64",
+    "model.intermediate_size=176",
+    "model.num_hidden_layers=3",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=4",
+    "model.head_dim=16",
+    "model.max_position_embeddings=128",
+]
+DEFAULT_SETTINGS = (
+    "bf16:unrolled:none,bf16:unrolled:activations,bf16:scan:activations,"
+    "coat:scan:activations,coat:unrolled:activations"
+)
 
 
-def model_config(tiny: bool):
-    from coat_jax import llama
+def parse_settings(text: str) -> list[tuple[str, str, str, str]]:
+    """``"coat:scan:activations,bf16:unrolled:none"`` -> [(mode, layout, remat, extra), ...].
 
+    An optional fourth part holds more config overrides joined by ``+``, e.g.
+    ``coat:scan:activations:master_dtype=bfloat16+loss_chunk_size=1024``.
+    """
+    from coat_jax.llama import REMAT_POLICIES
+
+    out = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        parts = item.split(":")
+        if len(parts) not in (3, 4):
+            raise ValueError(f"setting {item!r} is not mode:layout:remat[:key=value+...]")
+        mode, layout, remat = parts[:3]
+        extra = parts[3] if len(parts) == 4 else ""
+        if extra and not all("=" in kv for kv in extra.split("+")):
+            raise ValueError(f"setting {item!r}: extras must be key=value joined by '+'")
+        if mode not in MODES or layout not in LAYOUTS or remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"setting {item!r}: mode in {list(MODES)}, layout in {list(LAYOUTS)}, "
+                f"remat in {list(REMAT_POLICIES)}"
+            )
+        out.append((mode, layout, remat, extra))
+    if not out:
+        raise ValueError("--settings is empty")
+    return out
+
+
+def setting_name(mode: str, layout: str, remat: str, extra: str = "") -> str:
+    return f"{mode}:{layout}:{remat}" + (f":{extra}" if extra else "")
+
+
+def trainer_config(
+    mode: str, layout: str, remat: str, extra: str = "", *, seq: int, batch: int, tiny: bool
+):
+    """The training config ``train.py`` would run for this setting (7B, or tiny on the CPU)."""
+    from coat_jax.training import load_config
+
+    overrides = [
+        f"precision={mode}",
+        f"optimizer={OPTIMIZER[mode]}",
+        f"scan_layers={'true' if layout == 'scan' else 'false'}",
+        f"remat={remat}",
+        f"seq_len={seq}",
+        f"batch_size={batch}",
+        "grad_accum=1",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        "compilation_cache_dir=null",
+        *(kv for kv in extra.split("+") if kv),
+    ]
     if tiny:
-        return llama.LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            max_position_embeddings=128,
-        )
-    return llama.LlamaConfig()  # Llama-2-7B: 4096 / 11008 / 32 layers / 32 heads / vocab 32000
-
-
-REMAT = ("weights", "rank", "none")
-# Weight-preparation primitives: concatenating q|k|v or gate|up and casting to the compute dtype.
-_WEIGHT_PREP = ("concatenate", "convert_element_type")
-
-
-def _save_unless_weight_prep(prim, *avals, **params) -> bool:
-    """Remat policy "weights": recompute weight preparation in backward, keep everything else.
-
-    Without it the scanned step keeps, per layer and stacked over 32 layers, what the layer
-    computes from its weights alone: BF16 weight casts (12 GiB) in bf16 mode and float32 q|k|v
-    and gate|up concatenations (17 GiB) in fp8 and coat mode (``coat_jax.residuals`` of the
-    7B step, traced on the CPU). Activations are never rank <= 2 *and* a concatenate or convert
-    in this model's forward, so only those two primitives on rank <= 2 inputs are dropped;
-    backward redoes them (memory-bound, a few ms a step). Applied to every mode alike.
-    """
-    del params
-    if prim.name in _WEIGHT_PREP:
-        return any(getattr(a, "ndim", 0) >= 3 for a in avals)
-    return True
-
-
-def _save_rank3(prim, *avals, **params) -> bool:
-    """Remat policy "rank" (the first version, kept to reproduce its measurements).
-
-    Keeps a value only if one input of its op has rank >= 3. That also drops the Pallas FP8
-    quantizer outputs of ``fp8_linear``, which work on the rank-2 [tokens, features] view, so
-    fp8 and coat keep the BF16 input of those linears instead of its FP8 codes and re-quantize
-    it in backward.
-    """
-    del prim, params
-    return any(getattr(a, "ndim", 0) >= 3 for a in avals)
-
-
-REMAT_POLICIES = {"weights": _save_unless_weight_prep, "rank": _save_rank3}
-
-
-class ScannedLlama:
-    """``coat_jax.llama.Llama`` with its decoder layers stacked and run by ``jax.lax.scan``.
-
-    Parameters are a pure dict ``{"embed", "layers", "norm", "lm_head"}``; ``layers`` holds every
-    ``DecoderLayer`` parameter with a leading ``num_hidden_layers`` axis.
-    """
-
-    def __init__(self, config, precision: str, *, dtype=None, param_dtype=None, remat="weights"):
-        import jax.numpy as jnp
-        from flax import nnx
-
-        from coat_jax import llama
-        from coat_jax.fp8_ops import ops_for
-
-        if config.tie_word_embeddings:
-            raise ValueError("ScannedLlama expects an untied LM head (Llama-2)")
-        self.config = config
-        self.precision = llama.check_precision(precision)
-        self.dtype = jnp.bfloat16 if dtype is None else dtype
-        self.param_dtype = jnp.float32 if param_dtype is None else param_dtype
-        if remat not in REMAT:
-            raise ValueError(f"remat={remat!r} is not one of {list(REMAT)}")
-        self.remat = remat
-        self.ops = ops_for(precision)
-        self.inv_freq = llama.rope_inv_freq(config)
-        layer = nnx.eval_shape(
-            lambda: llama.DecoderLayer(config, param_dtype=self.param_dtype, rngs=nnx.Rngs(0))
-        )
-        self.graphdef, self.abstract_layer = nnx.split(layer)
-
-    def _init_layer(self, key):
-        from flax import nnx
-
-        from coat_jax import llama
-
-        layer = llama.DecoderLayer(
-            self.config, param_dtype=self.param_dtype, rngs=nnx.Rngs(params=key)
-        )
-        return nnx.to_pure_dict(nnx.split(layer)[1])
-
-    def init(self, key):
-        """Random parameters (std 0.02, norms 1), built inside jit: call under ``jax.jit``."""
-        import jax
-        import jax.numpy as jnp
-
-        c = self.config
-        k_embed, k_head, k_layers = jax.random.split(key, 3)
-        layers = jax.vmap(self._init_layer)(jax.random.split(k_layers, c.num_hidden_layers))
-        std = 0.02
-        return {
-            "embed": std
-            * jax.random.normal(k_embed, (c.vocab_size, c.hidden_size), self.param_dtype),
-            "layers": layers,
-            "norm": jnp.ones((c.hidden_size,), self.param_dtype),
-            "lm_head": std
-            * jax.random.normal(k_head, (c.hidden_size, c.vocab_size), self.param_dtype),
-        }
-
-    def _layer(self, layer_params):
-        import jax
-        from flax import nnx
-
-        state = jax.tree.map(lambda x: x, self.abstract_layer)
-        nnx.replace_by_pure_dict(state, layer_params)
-        return nnx.merge(self.graphdef, state)
-
-    def logits(self, params, tokens_BT):
-        import jax
-        import jax.numpy as jnp
-
-        b, t = tokens_BT.shape
-        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        # As in Llama: gather rows in the master dtype, then cast.
-        x_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(self.dtype)
-
-        def body(x_BTD, layer_params):
-            layer = self._layer(layer_params)
-            return layer(x_BTD, positions_BT, self.inv_freq, self.ops), None
-
-        if self.remat in REMAT_POLICIES:
-            # CPU note: the policy also overrides causal_attention's inner jax.checkpoint, so
-            # XLA's attention keeps its probabilities (fine for --tiny; the GPU uses cuDNN).
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x_BTD, _ = jax.lax.scan(body, x_BTD, params["layers"])
-        x_BTD = self.ops.rmsnorm(x_BTD, params["norm"], self.config.rms_norm_eps)
-        return jnp.einsum(
-            "btd,dv->btv",
-            x_BTD,
-            params["lm_head"].astype(self.dtype),
-            preferred_element_type=jnp.float32,
-        )
-
-    def loss(self, params, tokens_BT1):
-        """Mean next-token cross-entropy, as ``coat_jax.training.loop.next_token_loss``."""
-        import optax
-
-        logits = self.logits(params, tokens_BT1[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BT1[:, 1:]).mean()
-
-
-def optimizer_for(mode: str, tiny: bool):
-    import optax
-
-    import coat_jax
-
-    if mode == "coat":
-        # On the CPU the Pallas kernel would run interpreted; the jnp path is the same math.
-        impl = "xla" if tiny else "auto"
-        return coat_jax.coat_adamw(LR, weight_decay=WD, implementation=impl)
-    return optax.adamw(LR, weight_decay=WD)
-
-
-def make_step(model: ScannedLlama, tx):
-    import jax
-    import optax
-
-    def step(params, opt_state, tokens_BT1):
-        loss, grads = jax.value_and_grad(model.loss)(params, tokens_BT1)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return jax.jit(step, donate_argnums=(0, 1))
+        overrides += TINY_MODEL + ["compute_dtype=bfloat16"]
+    return load_config(CONFIG_TINY if tiny else CONFIG_7B, overrides)
 
 
 def flops_per_step(config, batch: int, seq: int) -> float:
@@ -242,7 +137,7 @@ def flops_per_step(config, batch: int, seq: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# worker: one mode in its own process
+# worker: one setting in its own process
 
 
 def worker(args) -> None:
@@ -250,26 +145,34 @@ def worker(args) -> None:
     import jax.numpy as jnp
 
     from coat_jax.memory import residuals
+    from coat_jax.training.loop import build_program, next_token_loss
 
-    mode, seq, tiny = args.worker, args.seq, args.tiny
+    mode, layout, remat, extra = parse_settings(args.worker)[0]
+    seq, tiny, b0 = args.seq, args.tiny, args.equal_batch
     start = time.monotonic()
     deadline = start + args.child_budget_s
     env = C.environment()
-    config = model_config(tiny)
-    model = ScannedLlama(config, mode, remat=args.remat)
-    tx = optimizer_for(mode, tiny)
-    step = make_step(model, tx)
-    base = {"mode": mode, "optimizer": OPTIMIZER[mode], "seq": seq, "remat": args.remat, **env}
+    cfg = trainer_config(mode, layout, remat, extra, seq=seq, batch=b0, tiny=tiny)
+    program = build_program(cfg, cfg.model)
+    config = cfg.model
+    base = {
+        "setting": setting_name(mode, layout, remat, extra),
+        "mode": mode,
+        "layout": layout,
+        "remat": remat,
+        "optimizer": OPTIMIZER[mode],
+        "seq": seq,
+        **env,
+    }
 
     def record(kind, **fields):
         rec = {"kind": kind, **base, **fields}
         C.append_jsonl(args.jsonl, rec)
-        print(f"[{mode}] {kind}: { {k: v for k, v in fields.items() if k != 'hlo_calls'} }")
+        shown = {k: v for k, v in fields.items() if k not in ("hlo_calls", "memory_stats")}
+        print(f"[{base['setting']}] {kind}: {shown}", flush=True)
         return rec
 
-    init = jax.jit(model.init)
-    abstract_params = jax.eval_shape(init, jax.random.key(0))
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    abstract_params, abstract_opt = program.abstract_params, program.abstract_opt_state
     state_bytes = {
         "params": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params)),
         "opt_state": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_opt)),
@@ -282,12 +185,18 @@ def worker(args) -> None:
     compiled_cache: dict[int, object] = {}
     mem_cache: dict[int, dict] = {}
 
+    def fits(mem) -> bool | None:
+        if not limit or "peak" not in mem:
+            return None
+        return mem["peak"] <= limit - args.margin_bytes
+
     def compile_at(batch: int):
         if batch in compiled_cache:
             return compiled_cache[batch], mem_cache[batch]
-        tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
         t0 = time.perf_counter()
-        compiled = step.lower(abstract_params, abstract_opt, tokens).compile()
+        compiled = program.step_fn.lower(
+            abstract_params, abstract_opt, program.abstract_batch(batch)
+        ).compile()
         mem = C.compiled_memory(compiled)
         hlo = compiled.as_text() or ""
         calls = C.custom_call_counts(hlo)
@@ -304,38 +213,37 @@ def worker(args) -> None:
         )
         return compiled, mem
 
-    def fits(mem) -> bool | None:
-        if not limit or "peak" not in mem:
-            return None
-        return mem["peak"] <= limit - args.margin_bytes
+    def init_state():
+        t0 = time.perf_counter()
+        params = program.init_params(jax.random.key(cfg.seed))
+        opt_state = program.init_opt_state(params)
+        jax.block_until_ready((params, opt_state))
+        return params, opt_state, time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    params = init(jax.random.key(0))
-    opt_state = jax.jit(tx.init)(params)
-    jax.block_until_ready((params, opt_state))
-    record("init", init_s=round(time.perf_counter() - t0, 1), memory_stats=C.memory_stats())
+    params, opt_state, init_s = init_state()
+    record("init", init_s=round(init_s, 1), memory_stats=C.memory_stats())
     rng = jax.random.key(1)
 
     def run_at(batch: int, reps: int):
         nonlocal params, opt_state
         compiled, mem = compile_at(batch)
         tokens = jax.random.randint(
-            jax.random.fold_in(rng, batch), (batch, seq + 1), 0, config.vocab_size, jnp.int32
+            jax.random.fold_in(rng, batch), (1, batch, seq + 1), 0, config.vocab_size, jnp.int32
         )
+        tokens = jax.device_put(tokens, program.batch_sharding)
         losses = []
 
         def one():
             nonlocal params, opt_state
-            params, opt_state, loss = compiled(params, opt_state, tokens)
-            losses.append(float(loss))  # float() blocks until the step is done
+            params, opt_state, metrics = compiled(params, opt_state, tokens)
+            losses.append(float(metrics["loss"]))  # float() blocks until the step is done
 
         timing = C.time_fn(one, warmup=args.warmup, reps=reps)
         stats = C.memory_stats()
-        tokens_per_step = batch * seq
         return record(
             "run",
             batch=batch,
-            tokens_per_s=tokens_per_step / timing["median_s"],
+            tokens_per_s=batch * seq / timing["median_s"],
             step=timing,
             model_tflops=flops_per_step(config, batch, seq) / timing["median_s"] / 1e12,
             peak_bytes_in_use=stats.get("peak_bytes_in_use"),
@@ -343,9 +251,6 @@ def worker(args) -> None:
             compiled_peak=mem.get("peak"),
             losses=[round(x, 4) for x in losses],
         )
-
-    def time_left() -> float:
-        return deadline - time.monotonic()
 
     def try_run(batch: int, reps: int):
         """run_at, or None after an out-of-memory error (then the state is rebuilt)."""
@@ -359,23 +264,29 @@ def worker(args) -> None:
             record("oom", batch=batch, error=msg[:400])
             # The donated buffers may be gone after a failed call: rebuild them.
             params = opt_state = None
-            params = init(jax.random.key(0))
-            opt_state = jax.jit(tx.init)(params)
+            params, opt_state, _ = init_state()
             return None
+
+    def time_left() -> float:
+        return deadline - time.monotonic()
 
     def residual_bytes(batch: int) -> int:
         tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-        return sum(r.nbytes for r in residuals(model.loss, abstract_params, tokens))
+        return sum(
+            r.nbytes
+            for r in residuals(
+                lambda p, t: next_token_loss(program.model_def, p, t), abstract_params, tokens
+            )
+        )
 
     # 1. the common batch (the peak recorded here is the equal-batch peak: nothing larger ran)
-    b0 = args.equal_batch
     done = {}
     rec0 = try_run(b0, args.reps)
     if rec0 is not None:
         done[b0] = rec0
     if args.no_search:
         return
-    # 2. largest batch. The first guess uses the growth of the backward residuals per sequence
+    # 2. largest batch: a first guess from the growth of the backward residuals per sequence
     #    (traced, nothing compiled); each compile then refines an affine fit of XLA's compiled
     #    peak against the batch, between the largest batch known to fit and the smallest not.
     if time_left() < args.min_compile_s:
@@ -413,17 +324,14 @@ def worker(args) -> None:
         if fit_lo is not None and fit_hi is not None and fit_hi - fit_lo <= 1:
             break
         b = nb
-    best = fit_lo
     record("search", largest_fitting=fit_lo, smallest_not_fitting=fit_hi)
-    if best is None:
+    if fit_lo is None:
         record("search_skipped", reason=f"no fitting batch found (smallest too big {fit_hi})")
         return
     # 3. confirm by running it, stepping down on an out-of-memory error.
+    best = fit_lo
     while best >= 1 and time_left() > args.min_compile_s / 2:
-        if best == b0 and b0 in done:
-            rec = done[b0]
-        else:
-            rec = try_run(best, max(3, args.reps // 2) if best > b0 else args.reps)
+        rec = done.get(best) or try_run(best, max(3, args.reps // 2) if best > b0 else args.reps)
         if rec is not None:
             record("max_batch", batch=best, tokens_per_s=rec["tokens_per_s"])
             return
@@ -432,147 +340,222 @@ def worker(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# parent: one child per mode, then the tables
+# train.py itself: launch to the first logged step
 
 
-def tiny_check() -> None:
-    """ScannedLlama's logits equal coat_jax.llama.Llama's on the same parameters (all modes)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
+def first_step(args, jsonl: str, overrides: list[str]) -> None:
+    """Runs ``train.py`` as a user would and times launch -> its first metrics record."""
+    import shutil
 
-    from coat_jax import llama
+    out = os.path.join(args.out_dir, "first_step_run")
+    shutil.rmtree(out, ignore_errors=True)
+    config = CONFIG_TINY if args.tiny else CONFIG_7B
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        config,
+        f"output_dir={out}",
+        "progress_bar=false",
+        *overrides,
+    ]
+    print(f"[first-step] {' '.join(cmd)}", flush=True)
+    log_path = os.path.join(args.out_dir, "first_step.log")
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=C.child_env(), stdout=log, stderr=subprocess.STDOUT)
+        metrics = os.path.join(out, "metrics.jsonl")
+        first = None
+        while time.monotonic() - t0 < args.first_step_budget_s and proc.poll() is None:
+            if os.path.exists(metrics):
+                with open(metrics) as f:
+                    lines = [json.loads(x) for x in f if x.strip()]
+                first = next((r for r in lines if "loss" in r), None)
+                if first is not None:
+                    break
+            time.sleep(0.5)
+        wall = time.monotonic() - t0
+        proc.kill()
+        proc.wait()
+    with open(log_path) as f:
+        tail = f.read()[-3000:]
+    rec = {
+        "kind": "first_step",
+        **C.environment(),
+        "command": "python train.py --config "
+        + os.path.relpath(config, ROOT)
+        + (" " + " ".join(overrides) if overrides else ""),
+        "wall_to_first_log_s": round(wall, 1) if first else None,
+        "first_step_s": round(first["first_step_s"], 1) if first else None,
+        "loss": first["loss"] if first else None,
+        "peak_memory_bytes": first.get("peak_memory_bytes") if first else None,
+        "log_tail": tail,
+    }
+    C.append_jsonl(jsonl, rec)
+    print(f"[first-step] {json.dumps({k: v for k, v in rec.items() if k != 'log_tail'})}")
+    if first is None:
+        print(tail)
 
-    config = model_config(tiny=True)
-    tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, config.vocab_size, jnp.int32)
-    for mode in MODES:
-        # float32 compute, so eager-vs-scan rounding differences stay far below the tolerance.
-        ref = llama.Llama(config, precision=mode, dtype=jnp.float32, rngs=nnx.Rngs(0))
-        pure = nnx.to_pure_dict(nnx.state(ref, nnx.Param))
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[pure["layers"][i] for i in range(3)])
-        params = {
-            "embed": pure["embed_tokens"],
-            "layers": stacked,
-            "norm": pure["norm"]["weight"],
-            "lm_head": pure["lm_head"],
-        }
-        got = ScannedLlama(config, mode, dtype=jnp.float32).logits(params, tokens)
-        want = ref(tokens)
-        err = float(jnp.max(jnp.abs(got - want)))
-        if not np.isfinite(err) or err > 1e-4:
-            raise AssertionError(f"{mode}: scanned logits differ from Llama's by {err}")
-        print(f"tiny check {mode}: scanned == Llama logits (max abs diff {err:.2e})")
-        # The remat policy must not change the gradient.
-        tokens1 = jnp.concatenate([tokens, tokens[:, :1]], axis=1)
-        grads = [
-            jax.grad(ScannedLlama(config, mode, dtype=jnp.float32, remat=r).loss)(params, tokens1)
-            for r in REMAT
-        ]
-        gerr = max(
-            float(jnp.max(jnp.abs(a - b)))
-            for g in grads[:-1]
-            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(grads[-1]), strict=True)
-        )
-        if not np.isfinite(gerr) or gerr > 1e-5:
-            raise AssertionError(f"{mode}: remat changes the gradient by {gerr}")
-        print(f"tiny check {mode}: gradient with remat == without (max abs diff {gerr:.2e})")
+
+# ------------------------------------------------------------------------------------------------
+# parent: one child per setting, then the tables
 
 
 def summarize(records: list[dict]) -> dict:
-    by_mode: dict[str, dict] = {}
+    by: dict[str, dict] = {}
     for r in records:
-        if "mode" not in r:
-            continue  # the command record
-        m = by_mode.setdefault(r["mode"], {"runs": {}, "compiles": {}})
+        if "setting" not in r:
+            continue
+        m = by.setdefault(r["setting"], {"runs": {}, "compiles": {}, "rec": r})
         if r["kind"] == "run":
             m["runs"][r["batch"]] = r
         elif r["kind"] == "compile":
             m["compiles"][r["batch"]] = r
-        elif r["kind"] in ("setup", "max_batch", "predict"):
+        elif r["kind"] in ("setup", "max_batch", "init", "search"):
             m[r["kind"]] = r
         elif r["kind"] == "search_skipped":
             m.setdefault("notes", []).append(r["reason"])
         elif r["kind"] == "oom":
             m.setdefault("notes", []).append(f"OOM when run at batch {r['batch']}")
-    return by_mode
+    return by
 
 
-def write_docs(path: str, records: list[dict], equal_batch: int, command: str) -> str:
-    s = summarize(records)
+def _best(by, mode, key, lower_is_better=False, options=False):
+    """(setting, value) of the mode's best setting by ``key(summary)``; None when unmeasured.
+
+    ``options``: among the settings with extra overrides (such as bfloat16 masters) instead of
+    among the plain ones.
+    """
+    cands = [
+        (s, key(m))
+        for s, m in by.items()
+        if m["rec"]["mode"] == mode and key(m) and (s.count(":") == 3) == options
+    ]
+    if not cands:
+        return None
+    return (min if lower_is_better else max)(cands, key=lambda c: c[1])
+
+
+def write_docs(path: str | None, records: list[dict], equal_batch: int, command: str) -> str:
+    by = summarize(records)
     env = next((r for r in records if r["kind"] == "setup"), None)
-    lines = ["# End-to-end training step: Llama-2-7B on one GPU (issue 7)", ""]
+    lines = ["# train.py's Llama-2-7B training step on one GPU: BF16 against COAT", ""]
     if env:
         lines += [
             f"Measured {env['date']} on {env['device']} with JAX {env['jax']}, by `{command}`.",
-            f"Sequence length {env['seq']}; the step is forward + backward + optimizer, jitted, "
-            "parameters and optimizer state donated; master weights float32; activations "
-            "bfloat16. Layers are stacked and run through `jax.lax.scan` (one `DecoderLayer` "
-            "split with `nnx.split`, stacked parameters created on the device by a jitted "
-            "vmapped init, `nnx.merge` in the scan body). Each mode ran in its own process. "
-            f"Scan-body remat policy: `{env.get('remat')}` (`REMAT_POLICIES` in "
-            "benchmarks/bench_e2e.py).",
+            f"Sequence length {env['seq']}. Every number comes from `train.py`'s own step: "
+            "`configs/llama2_7b.yaml` loaded by `coat_jax.training.load_config`, the step built "
+            "by `coat_jax.training.loop.build_program` (forward, backward, gradient clipping, "
+            "optimizer with the config's schedule; parameters and optimizer state donated; "
+            "float32 master weights; bfloat16 activations), each setting in its own process. "
+            "A setting is precision:layer layout:remat policy (`scan_layers`, `remat`).",
             "",
         ]
+    eq = lambda m: m["runs"].get(equal_batch, {})
+    mx = lambda m: m["runs"].get(m.get("max_batch", {}).get("batch"), {})
+    # The allocator's peak where the backend keeps one (GPU); XLA's compiled peak elsewhere.
+    peak = lambda r: r.get("peak_bytes_in_use") or r.get("compiled_peak")
+    best = {}
+    for options in (False, True):
+        best[options] = {
+            "mem": {mode: _best(by, mode, lambda m: peak(eq(m)), True, options) for mode in MODES},
+            "eq": {
+                mode: _best(by, mode, lambda m: eq(m).get("tokens_per_s"), False, options)
+                for mode in MODES
+            },
+            "mx": {
+                mode: _best(by, mode, lambda m: mx(m).get("tokens_per_s"), False, options)
+                for mode in MODES
+            },
+        }
+    firsts = [r for r in records if r["kind"] == "first_step"]
+    if any(best[False]["mem"].values()):
+        lines += [
+            "Each mode at its best setting (ratios against BF16's best; settings with extra "
+            "options such as `master_dtype=bfloat16` are in the second column of COAT):",
+            "",
+            "| | BF16 | FP8 linears | COAT | COAT / BF16 | COAT with options | with options / BF16 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+
+        def cell(b, fmt):
+            return f"{fmt(b[1])} (`{b[0]}`)" if b else "not measured"
+
+        def ratio(bf, other, bf16_over):
+            if not bf or not other:
+                return "n/a"
+            return C.ratio(bf[1], other[1]) if bf16_over else C.ratio(other[1], bf[1])
+
+        for label, key, fmt, bf16_over in (
+            (f"peak memory at batch {equal_batch} (GiB; ratio BF16/COAT)", "mem", C.gib, True),
+            (f"tokens/s at batch {equal_batch}", "eq", lambda v: f"{v:.0f}", False),
+            ("tokens/s at its largest batch", "mx", lambda v: f"{v:.0f}", False),
+        ):
+            plain, opts = best[False][key], best[True][key]
+            bf = plain.get("bf16")
+            lines.append(
+                f"| {label} | "
+                + " | ".join(cell(plain.get(mode), fmt) for mode in MODES)
+                + f" | {ratio(bf, plain.get('coat'), bf16_over)} | {cell(opts.get('coat'), fmt)}"
+                + f" | {ratio(bf, opts.get('coat'), bf16_over)} |"
+            )
+        lines.append("")
     lines += [
-        f"| mode | optimizer | params + opt state (GiB) | peak at batch {equal_batch} (GiB) | "
-        f"XLA peak at batch {equal_batch} (GiB) | tokens/s at batch {equal_batch} | "
+        "Every setting measured:",
+        "",
+        f"| setting | optimizer | params + opt state (GiB) | init s | compile s (batch "
+        f"{equal_batch}) | peak at batch {equal_batch} (GiB) | tokens/s at batch {equal_batch} | "
         "largest batch | peak there (GiB) | tokens/s there | FP8 GEMMs in HLO |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    peaks, speeds, eq_speeds = {}, {}, {}
-    for mode in MODES:
-        m = s.get(mode)
-        if not m:
-            continue
+    for name, m in by.items():
         setup = m.get("setup", {})
         st = (setup.get("params", 0) + setup.get("opt_state", 0)) or None
-        eq = m["runs"].get(equal_batch, {})
-        mb = m.get("max_batch", {}).get("batch")
-        mx = m["runs"].get(mb, {}) if mb else {}
+        e, x = eq(m), mx(m)
         comp = m["compiles"].get(equal_batch, {})
-        peaks[mode] = eq.get("peak_bytes_in_use")
-        eq_speeds[mode] = eq.get("tokens_per_s")
-        speeds[mode] = mx.get("tokens_per_s")
+        mb = m.get("max_batch", {}).get("batch")
+        if mb is None and m.get("search", {}).get("largest_fitting"):
+            mb = f"{m['search']['largest_fitting']} by compile (not run)"
         lines.append(
-            f"| {mode} | {OPTIMIZER[mode]} | {C.gib(st)} | {C.gib(eq.get('peak_bytes_in_use'))} | "
-            f"{C.gib(comp.get('memory', {}).get('peak'))} | "
-            f"{eq.get('tokens_per_s', 0):.0f} | {mb or 'n/a'} | "
-            f"{C.gib(mx.get('peak_bytes_in_use'))} | {mx.get('tokens_per_s', 0):.0f} | "
+            f"| `{name}` | {m['rec']['optimizer']} | {C.gib(st)} | "
+            f"{m.get('init', {}).get('init_s', 'n/a')} | {comp.get('compile_s', 'n/a')} | "
+            f"{C.gib(e.get('peak_bytes_in_use'))} | {e.get('tokens_per_s', 0):.0f} | "
+            f"{mb or 'n/a'} | {C.gib(x.get('peak_bytes_in_use'))} | {x.get('tokens_per_s', 0):.0f} | "
             f"{comp.get('fp8_gemms', 'n/a')} |"
         )
+    if firsts:
+        lines += [
+            "",
+            "`train.py` from launch to its first logged step (tokenizing the bundled corpus, "
+            "init, compile, one step):",
+            "",
+            "| command | launch to first logged step (s) | first step incl. compile (s) | "
+            "peak memory (GiB) |",
+            "|---|---|---|---|",
+        ]
+        for r in firsts:
+            lines.append(
+                f"| `{r['command']}` | {r['wall_to_first_log_s']} | {r['first_step_s']} | "
+                f"{C.gib(r.get('peak_memory_bytes'))} |"
+            )
     lines += [
-        "",
-        "Ratios (targets from SPEC section 4 / issue 7):",
-        "",
-        f"- peak memory at batch {equal_batch}, BF16 / COAT: "
-        f"{C.ratio(peaks.get('bf16'), peaks.get('coat'))}"
-        " (target >= 1.54x)",
-        f"- peak memory at batch {equal_batch}, BF16 / FP8: "
-        f"{C.ratio(peaks.get('bf16'), peaks.get('fp8'))}",
-        f"- tokens/s at each one's largest batch, COAT / BF16: "
-        f"{C.ratio(speeds.get('coat'), speeds.get('bf16'))} (target >= 1.43x)",
-        f"- tokens/s at batch {equal_batch}, COAT / BF16: "
-        f"{C.ratio(eq_speeds.get('coat'), eq_speeds.get('bf16'))} (target >= 1.00x)",
-        f"- tokens/s at batch {equal_batch}, FP8 / BF16: "
-        f"{C.ratio(eq_speeds.get('fp8'), eq_speeds.get('bf16'))}",
         "",
         "Compiled memory (XLA `memory_analysis()`: arguments + outputs - donated + temporaries), "
         "per compiled batch:",
         "",
-        "| mode | batch | compile s | arguments GiB | temporaries GiB | peak GiB | fits |",
+        "| setting | batch | compile s | arguments GiB | temporaries GiB | peak GiB | fits |",
         "|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        for b, c in sorted(s.get(mode, {}).get("compiles", {}).items()):
+    for name, m in by.items():
+        for b, c in sorted(m["compiles"].items()):
             mem = c["memory"]
             lines.append(
-                f"| {mode} | {b} | {c['compile_s']} | {C.gib(mem.get('argument'))} | "
+                f"| `{name}` | {b} | {c['compile_s']} | {C.gib(mem.get('argument'))} | "
                 f"{C.gib(mem.get('temp'))} | {C.gib(mem.get('peak'))} | {c['fits']} |"
             )
-    notes = [(mode, n) for mode in MODES for n in s.get(mode, {}).get("notes", [])]
+    notes = [(name, n) for name, m in by.items() for n in m.get("notes", [])]
     if notes:
-        lines += ["", "Not measured / notes:", ""] + [f"- {mode}: {n}" for mode, n in notes]
+        lines += ["", "Not measured / notes:", ""] + [f"- `{s}`: {n}" for s, n in notes]
     text = "\n".join(lines) + "\n"
     if path:
         with open(path, "w") as f:
@@ -580,123 +563,97 @@ def write_docs(path: str, records: list[dict], equal_batch: int, command: str) -
     return text
 
 
-def plot(path: str, records: list[dict], equal_batch: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    s = summarize(records)
-    modes = [m for m in MODES if m in s]
-    fig, (ax_mem, ax_tps) = plt.subplots(1, 2, figsize=(10, 4))
-    env = next((r for r in records if r["kind"] == "setup"), {})
-    for i, mode in enumerate(modes):
-        eq = s[mode]["runs"].get(equal_batch, {})
-        mb = s[mode].get("max_batch", {}).get("batch")
-        mx = s[mode]["runs"].get(mb, {}) if mb else {}
-        ax_mem.bar(i, (eq.get("peak_bytes_in_use") or 0) / C.GIB, color=f"C{i}")
-        ax_tps.bar(i - 0.2, eq.get("tokens_per_s", 0), width=0.4, color=f"C{i}", alpha=0.5)
-        ax_tps.bar(i + 0.2, mx.get("tokens_per_s", 0), width=0.4, color=f"C{i}")
-        if mb:
-            ax_tps.text(i + 0.2, mx.get("tokens_per_s", 0), f"b={mb}", ha="center", va="bottom")
-    for ax in (ax_mem, ax_tps):
-        ax.set_xticks(range(len(modes)), modes)
-    ax_mem.set_ylabel(f"peak device memory at batch {equal_batch} (GiB)")
-    ax_tps.set_ylabel(f"tokens/s (light: batch {equal_batch}; dark: largest batch)")
-    fig.suptitle(
-        f"Llama-2-7B train step, {env.get('device', '?')}, JAX {env.get('jax', '?')}, "
-        f"{env.get('date', '')}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def recorded_command(records: list[dict]) -> str:
     cmds = [r["command"] for r in records if r["kind"] == "command"]
     return "` then `".join(dict.fromkeys(cmds)) if cmds else "unknown"
 
 
-def report(args, jsonl: str) -> None:
-    """Rewrites the docs and plot from a finished (or cut short) run's records."""
-    records = C.read_jsonl(jsonl)
-    if not records:
-        raise ValueError(f"no records in {jsonl}")
-    print(write_docs(args.docs, records, args.equal_batch, recorded_command(records)))
-    if args.plot:
-        plot(args.plot, records, args.equal_batch)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of bf16,fp8,coat"
-    )
+    p.add_argument("--settings", default=None, help=f"mode:layout:remat,... ({DEFAULT_SETTINGS})")
     p.add_argument("--seq", type=int, default=None, help="sequence length (2048; 64 with --tiny)")
-    p.add_argument("--equal-batch", type=int, default=1, help="the batch every mode runs")
+    p.add_argument("--equal-batch", type=int, default=1, help="the batch every setting runs")
     p.add_argument("--reps", type=int, default=5, help="timed steps per batch (median)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     p.add_argument("--margin-bytes", type=int, default=None, help="headroom (512 MiB; 0 tiny)")
     p.add_argument("--max-batch", type=int, default=64, help="upper end of the search")
     p.add_argument("--max-search-compiles", type=int, default=3)
-    p.add_argument("--child-budget-s", type=float, default=300.0, help="per-mode time budget")
+    p.add_argument("--child-budget-s", type=float, default=300.0, help="per-setting time budget")
+    p.add_argument("--child-budgets", default="", help="per-setting budgets (s), comma-separated")
     p.add_argument("--min-compile-s", type=float, default=40.0, help="time one compile may take")
-    p.add_argument("--remat", choices=REMAT, default="weights", help="scan-body remat policy")
+    p.add_argument("--first-step", action="store_true", help="also time train.py to its 1st log")
+    p.add_argument("--first-step-overrides", default="", help="key=value,... for that train.py")
+    p.add_argument("--first-step-budget-s", type=float, default=300.0)
     p.add_argument("--tiny", action="store_true", help="3 small layers on the CPU: a smoke test")
     p.add_argument("--out-dir", default="runs/bench_e2e")
     p.add_argument("--docs", default=None, help="write the markdown table here")
-    p.add_argument("--plot", default=None, help="write the plot (PNG) here")
-    p.add_argument("--no-child-logs", action="store_true", help="no per-mode log files")
-    p.add_argument(
-        "--report-only", action="store_true", help="only rewrite --docs/--plot from out-dir"
-    )
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--no-child-logs", action="store_true", help="no per-setting log files")
+    p.add_argument("--report-only", action="store_true", help="only rewrite --docs from out-dir")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--jsonl", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.seq is None:
         args.seq = 64 if args.tiny else 2048
     if args.margin_bytes is None:
         args.margin_bytes = 0 if args.tiny else 512 * 1024**2
+    if args.settings is None:
+        args.settings = (
+            "bf16:unrolled:none,coat:scan:activations" if args.tiny else DEFAULT_SETTINGS
+        )
     if args.worker:
         worker(args)
         return
-    modes = C.parse_modes(args.modes, MODES)
+    settings = parse_settings(args.settings)
     os.makedirs(args.out_dir, exist_ok=True)
     jsonl = os.path.join(args.out_dir, "e2e.jsonl")
     if args.report_only:
-        return report(args, jsonl)
+        records = C.read_jsonl(jsonl)
+        if not records:
+            raise ValueError(f"no records in {jsonl}")
+        print(write_docs(args.docs, records, args.equal_batch, recorded_command(records)))
+        return
     command = C.command_line()
     C.append_jsonl(jsonl, {"kind": "command", "command": command})
-    if args.tiny:
-        tiny_check()
+    if args.first_step:
+        overrides = [o for o in args.first_step_overrides.split(",") if o]
+        first_step(args, jsonl, overrides)
     passthrough = [
         f"--seq={args.seq}",
         f"--equal-batch={args.equal_batch}",
         f"--reps={args.reps}",
         f"--warmup={args.warmup}",
         f"--margin-bytes={args.margin_bytes}",
-        f"--child-budget-s={args.child_budget_s}",
         f"--min-compile-s={args.min_compile_s}",
         f"--max-batch={args.max_batch}",
-        f"--remat={args.remat}",
         f"--max-search-compiles={args.max_search_compiles}",
         f"--jsonl={jsonl}",
     ]
     passthrough += ["--tiny"] if args.tiny else []
     passthrough += ["--no-search"] if args.no_search else []
-    for mode in modes:
+    budgets = [float(b) for b in args.child_budgets.split(",") if b.strip()]
+    if budgets and len(budgets) != len(settings):
+        raise ValueError(f"--child-budgets has {len(budgets)} entries for {len(settings)} settings")
+    text = ""
+    for i, s in enumerate(settings):
+        name = setting_name(*s)
+        budget = budgets[i] if budgets else args.child_budget_s
         rc = C.run_child(
-            [os.path.abspath(__file__), f"--worker={mode}", *passthrough],
-            timeout_s=args.child_budget_s + 30,
-            log_path=None if args.no_child_logs else os.path.join(args.out_dir, f"e2e_{mode}.log"),
+            [
+                os.path.abspath(__file__),
+                f"--worker={name}",
+                f"--child-budget-s={budget}",
+                *passthrough,
+            ],
+            timeout_s=budget + 30,
+            log_path=None
+            if args.no_child_logs
+            else os.path.join(args.out_dir, f"e2e_{len(C.read_jsonl(jsonl))}.log"),
         )
         if rc:
-            print(f"[parent] {mode} exited with {rc}; continuing with what it recorded")
-        records = C.read_jsonl(jsonl)
-        text = write_docs(args.docs, records, args.equal_batch, command)
+            print(f"[parent] {name} exited with {rc}; continuing with what it recorded")
+        text = write_docs(args.docs, C.read_jsonl(jsonl), args.equal_batch, command)
     print(text)
-    if args.plot:
-        plot(args.plot, C.read_jsonl(jsonl), args.equal_batch)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """One Llama-2-7B decoder layer, forward + backward: bf16 vs fp8 vs COAT side by side (issue 7).
 
-The layer is ``coat_jax.llama.DecoderLayer`` (hidden 4096, intermediate 11008, 32 heads) with
+The layer is the trainer's own model (``configs/llama2_7b.yaml`` with ``num_hidden_layers=1``,
+built by ``coat_jax.training.loop.build_program``; hidden 4096, intermediate 11008, 32 heads):
+its ``Llama.decoder`` under the config's layout and remat policy (``--scan``, ``--remat``), with
 float32 master weights and bfloat16 activations, at seq 2048 and each ``--batches`` value. The
 timed function is ``x, dy -> jax.vjp(layer, params, x)[1](dy)`` (forward, then backward into the
 weights and the input), jitted, after a warm-up, the median of ``--reps`` calls, each ending in
@@ -37,20 +39,19 @@ MODES = ("bf16", "fp8", "coat")
 PAPER_U = {"bf16": 22.66, "fp8": 18.33, "coat": 13.33}  # COAT Table 2 (PyTorch, TE for fp8)
 
 
-def layer_config(tiny: bool):
-    from coat_jax import llama
-
+def layer_overrides(tiny: bool) -> dict:
+    """The model section of configs/llama2_7b.yaml cut to one layer (or a small one, --tiny)."""
     if tiny:
-        return llama.LlamaConfig(
-            vocab_size=256,
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-        )
-    return llama.LlamaConfig(
-        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=1
-    )
+        return {
+            "vocab_size": 256,
+            "hidden_size": 128,
+            "intermediate_size": 352,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "head_dim": 32,
+        }
+    return {"num_hidden_layers": 1}
 
 
 def layer_flops(config, batch: int, seq: int) -> float:
@@ -64,34 +65,37 @@ def layer_flops(config, batch: int, seq: int) -> float:
 def worker(args) -> None:
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from coat_jax import llama
-    from coat_jax.fp8_ops import ops_for
     from coat_jax.memory import residuals
+    from coat_jax.training import load_config
+    from coat_jax.training.loop import build_program
 
     mode, seq = args.worker, args.seq
-    config = layer_config(args.tiny)
     env = C.environment()
-    ops = ops_for(mode)
-    inv_freq = llama.rope_inv_freq(config)
-    graphdef, abstract = nnx.split(
-        nnx.eval_shape(
-            lambda: llama.DecoderLayer(config, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-        )
-    )
+    # The trainer's own model with one decoder layer: what train.py runs, layer by layer.
+    overrides = [
+        f"precision={mode}",
+        "optimizer=adamw",
+        f"scan_layers={str(args.scan).lower()}",
+        f"remat={args.remat}",
+        f"seq_len={seq}",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        "compilation_cache_dir=null",
+        *(f"model.{k}={v}" for k, v in layer_overrides(args.tiny).items()),
+    ]
+    cfg = load_config(os.path.join(ROOT, "configs", "llama2_7b.yaml"), overrides)
+    config = cfg.model
+    program = build_program(cfg, config)
+    model_def = program.model_def
 
     def apply(params, x_BTD):
         b, t = x_BTD.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        state = jax.tree.map(lambda a: a, abstract)
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state)(x_BTD, positions, inv_freq, ops)
+        return model_def.bind(params).decoder(x_BTD, positions)
 
-    @jax.jit
     def init(key):
-        layer = llama.DecoderLayer(config, param_dtype=jnp.float32, rngs=nnx.Rngs(params=key))
-        return nnx.to_pure_dict(nnx.split(layer)[1])
+        return program.init_params(key)
 
     @jax.jit
     def fwd_bwd(params, x_BTD, dy_BTD):
@@ -99,7 +103,7 @@ def worker(args) -> None:
         return pullback(dy_BTD)
 
     params = init(jax.random.key(0))
-    abstract_params = jax.eval_shape(init, jax.random.key(0))
+    abstract_params = program.model_def.abstract_params
     for batch in sorted(args.batches):
         shape = (batch, seq, config.hidden_size)
         u = batch * seq * config.hidden_size * 2
@@ -136,6 +140,8 @@ def worker(args) -> None:
         rec = {
             "kind": "layer",
             "mode": mode,
+            "remat": args.remat,
+            "scan": args.scan,
             "batch": batch,
             "seq": seq,
             **env,
@@ -169,7 +175,8 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
         r0 = rows[0]
         lines += [
             f"Measured {r0['date']} on {r0['device']} with JAX {r0['jax']}, by `{command}`.",
-            f"Layer: `coat_jax.llama.DecoderLayer`, seq {r0['seq']}, float32 master weights, "
+            f"Layer: `Llama.decoder` of train.py's model with one layer (`build_program`), "
+            f"remat `{r0.get('remat', 'none')}`, seq {r0['seq']}, float32 master weights, "
             "bfloat16 activations; each mode in its own process. Time: median of the jitted "
             "`jax.vjp` forward + backward (weights and input gradients). U = batch x seq x "
             "hidden x 2 bytes; activations are the `jax.vjp` residuals that depend on the "
@@ -236,6 +243,8 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="a small layer on the CPU: a smoke test")
+    p.add_argument("--remat", default="none", help="remat policy of the layer (REMAT_POLICIES)")
+    p.add_argument("--scan", action="store_true", help="the scanned layer layout")
     p.add_argument("--child-timeout-s", type=float, default=240.0)
     p.add_argument("--out-dir", default="runs/bench_layer")
     p.add_argument("--docs", default=None)
@@ -267,15 +276,20 @@ def main(argv=None) -> None:
     command = C.command_line()
     C.append_jsonl(jsonl, {"kind": "command", "command": command})
     for mode in modes:
-        child = [
-            os.path.abspath(__file__),
-            f"--worker={mode}",
-            f"--batches={','.join(map(str, args.batches))}",
-            f"--seq={args.seq}",
-            f"--reps={args.reps}",
-            f"--warmup={args.warmup}",
-            f"--jsonl={jsonl}",
-        ] + (["--tiny"] if args.tiny else [])
+        child = (
+            [
+                os.path.abspath(__file__),
+                f"--worker={mode}",
+                f"--batches={','.join(map(str, args.batches))}",
+                f"--seq={args.seq}",
+                f"--reps={args.reps}",
+                f"--warmup={args.warmup}",
+                f"--jsonl={jsonl}",
+                f"--remat={args.remat}",
+            ]
+            + (["--tiny"] if args.tiny else [])
+            + (["--scan"] if args.scan else [])
+        )
         rc = C.run_child(
             child,
             timeout_s=args.child_timeout_s,

@@ -15,6 +15,11 @@ real state leaves' nbytes, and XLA's compiled.memory_analysis()).
     python benchmarks/bench_optimizer.py                       # all 32 layers (6.74B parameters)
     python benchmarks/bench_optimizer.py --layers 2 --reps 3   # a quick look
     python benchmarks/bench_optimizer.py --docs docs/benchmarks.md   # also write the results
+    python benchmarks/bench_optimizer.py --kernel-mesh --only "coat_adamw pallas"   # issue 16
+
+``--kernel-mesh`` adds ``coat_adamw(..., mesh=...)`` on a ``(data=1, fsdp=1)`` mesh: the kernel
+inside ``shard_map`` on one device, to compare with today's unsharded path (the difference is
+the cost of the wrapper, which should be none).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import coat_jax  # noqa: E402
+from coat_jax.training import sharding  # noqa: E402
 from pallas_kernels import coat_adam as ca  # noqa: E402
 
 LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 0.1
@@ -303,6 +309,11 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--width", type=int, default=1, help="divide every dimension (smoke tests)")
     ap.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")
+    ap.add_argument(
+        "--kernel-mesh",
+        action="store_true",
+        help="also time coat_adamw(mesh=...) on a one-device mesh (the shard_map path)",
+    )
     args = ap.parse_args(argv)
     global INTERPRET
     INTERPRET = args.interpret
@@ -352,6 +363,12 @@ def main(argv=None):
         ("coat_adamw pallas (optax chain)", chain_step(coat("pallas")), update_bytes),
         ("coat_adamw pallas (fused apply)", fused_coat_adamw(None), 0),
     ]
+    if args.kernel_mesh:
+        mesh = sharding.make_mesh(1, 1)
+        tx = coat_jax.coat_adamw(
+            LR, B1, B2, EPS, WD, implementation="pallas", interpret=INTERPRET, mesh=mesh
+        )
+        candidates.append(("coat_adamw pallas (chain, mesh=1)", chain_step(tx), update_bytes))
     if args.best_full and best is not None and best != ca.DEFAULT_CONFIG:
         candidates.append((f"fused apply, {best}", fused_coat_adamw(best), 0))
     # Last: the jnp path compiles slowest, and the others must not wait on it.

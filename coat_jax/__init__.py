@@ -18,6 +18,13 @@ _EXPORTS = {
     "dequantized_moments": "coat_jax.optim",
     "find_coat_states": "coat_jax.optim",
     "scale_by_coat_adam": "coat_jax.optim",
+    # FP8 state for any optax optimizer
+    "FP8State": "coat_jax.fp8_wrapper",
+    "dequantized_state": "coat_jax.fp8_wrapper",
+    "find_fp8_states": "coat_jax.fp8_wrapper",
+    "fp8_state": "coat_jax.fp8_wrapper",
+    "full_precision_paths": "coat_jax.fp8_wrapper",
+    "quantized_paths": "coat_jax.fp8_wrapper",
     # FP8 activations
     "FP8Config": "coat_jax.fp8_ops",
     "OpSet": "coat_jax.fp8_ops",
@@ -34,6 +41,11 @@ _EXPORTS = {
     "activation_bytes": "coat_jax.memory",
     "activation_bytes_by_dtype": "coat_jax.memory",
     "residuals": "coat_jax.memory",
+    # Memory beyond the paper: chunked cross-entropy, BF16 master weights
+    "cross_entropy_from_hidden": "coat_jax.losses",
+    "apply_updates_stochastic": "coat_jax.master",
+    "float32_optimizer": "coat_jax.master",
+    "stochastic_round": "coat_jax.master",
     # Llama and checkpoints
     "Llama": "coat_jax.llama",
     "LlamaConfig": "coat_jax.llama",
@@ -42,6 +54,10 @@ _EXPORTS = {
     "save_pretrained": "coat_jax.checkpoint_io",
     "ByteTokenizer": "coat_jax.tokenizer",
     "load_tokenizer": "coat_jax.tokenizer",
+    # Sampling
+    "generate": "coat_jax.generate",
+    "generate_ids": "coat_jax.generate",
+    "sample_text": "coat_jax.generate",
 }
 _SUBMODULES = ("quant", "optim", "fp8_ops", "memory", "llama", "checkpoint_io", "tokenizer")
 

@@ -43,6 +43,7 @@ SIDECAR_FILES = (
     "added_tokens.json",
     "vocab.json",
     "merges.txt",
+    "chat_template.jinja",
     "generation_config.json",
 )
 # Buffers older transformers versions saved next to the weights; recomputed from the config.
@@ -267,9 +268,24 @@ def _open_source(path: str, kind: str):
     return LlamaConfig.from_hf(path), SafetensorsSource(path)
 
 
+def read_config(path: str | os.PathLike) -> LlamaConfig:
+    """The architecture of a checkpoint (HF folder, coat-jax folder or .gguf), no weights read."""
+    path = os.fspath(path)
+    config, _ = _open_source(path, checkpoint_kind(path))
+    return config
+
+
 def _flat_params(state) -> Iterator[tuple[str, Any]]:
     for path, variable in nnx.to_flat_state(state):
         yield ".".join(str(p) for p in path), variable
+
+
+def _layer_names(key: str, config: LlamaConfig, scan_layers: bool) -> list[str]:
+    """The name-map paths one model parameter holds: itself, or one per layer if stacked."""
+    if scan_layers and key.startswith("layers."):
+        rest = key[len("layers.") :]
+        return [f"layers.{i}.{rest}" for i in range(config.num_hidden_layers)]
+    return [key]
 
 
 def from_pretrained(
@@ -279,13 +295,17 @@ def from_pretrained(
     dtype=jnp.bfloat16,
     param_dtype=jnp.float32,
     fp8_config=None,
+    scan_layers: bool = False,
+    remat: str = "none",
+    fp8_attention: bool = False,
 ) -> Llama:
     """Loads a Llama from an HF folder, a coat-jax folder or a Llama `.gguf` file.
 
-    Tensors are streamed one at a time into the model's parameters (cast to `param_dtype`).
+    Tensors are streamed one at a time into the model's parameters (cast to `param_dtype`);
+    with `scan_layers` the per-layer tensors of one parameter are stacked on the host first.
     Raises ValueError naming the tensor for a missing tensor, a wrong shape or an unexpected
-    extra tensor, and for a checkpoint that is not a Llama. `precision`, `dtype`, `param_dtype`
-    and `fp8_config` are passed to `Llama`.
+    extra tensor, and for a checkpoint that is not a Llama. `precision`, `dtype`, `param_dtype`,
+    `fp8_config`, `scan_layers`, `remat` and `fp8_attention` are passed to `Llama`.
 
     Example:
       >>> model = from_pretrained("path/to/Llama-3.2-1B", precision="coat")
@@ -303,24 +323,33 @@ def from_pretrained(
             dtype=dtype,
             param_dtype=param_dtype,
             fp8_config=fp8_config,
+            scan_layers=scan_layers,
+            remat=remat,
+            fp8_attention=fp8_attention,
         )
     )
     graphdef, state = nnx.split(abstract)
     seen = set()
     for key, variable in _flat_params(state):
-        if key not in plan:
-            raise RuntimeError(f"parameter {key} of Llama is missing from the name map")
-        name, transform = plan[key]
         spec = variable.get_value()
-        array = transform.forward(source.get(name))
-        if tuple(array.shape) != tuple(spec.shape):
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(array.shape)} after {transform.name}; "
-                f"the config needs {tuple(spec.shape)}"
-            )
-        variable.set_value(jnp.asarray(array, dtype=spec.dtype))
-        del array
-        seen.add(key)
+        arrays = []
+        layer_keys = _layer_names(key, config, scan_layers)
+        for layer_key in layer_keys:
+            if layer_key not in plan:
+                raise RuntimeError(f"parameter {layer_key} of Llama is missing from the name map")
+            name, transform = plan[layer_key]
+            array = transform.forward(source.get(name))
+            want = spec.shape if layer_keys == [key] else spec.shape[1:]
+            if tuple(array.shape) != tuple(want):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(array.shape)} after {transform.name}; "
+                    f"the config needs {tuple(want)}"
+                )
+            arrays.append(np.asarray(array, dtype=spec.dtype))
+            seen.add(layer_key)
+        value = arrays[0] if layer_keys == [key] else np.stack(arrays)
+        variable.set_value(jnp.asarray(value, dtype=spec.dtype))
+        del arrays, value
     unfilled = set(plan) - seen
     if unfilled:
         raise RuntimeError(f"name map entries without a model parameter: {sorted(unfilled)[:5]}")
@@ -336,6 +365,62 @@ def _copy_sidecars(src: str, dst: str):
     for name in SIDECAR_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+
+
+def write_tokenizer_files(tokenizer, dst: str | os.PathLike) -> list[str]:
+    """Saves a transformers tokenizer (and its chat template) into an HF folder.
+
+    Also writes `generation_config.json` with the tokenizer's BOS/EOS ids unless the folder
+    has one, so that transformers' `generate` stops at this tokenizer's EOS (its LlamaConfig
+    defaults, 1 and 2, belong to Llama 2's vocabulary). Returns the names of the new files.
+    """
+    dst = os.fspath(dst)
+    before = set(os.listdir(dst))
+    tokenizer.save_pretrained(dst)
+    write_generation_config(tokenizer, dst)
+    return sorted(set(os.listdir(dst)) - before)
+
+
+def write_generation_config(tokenizer, dst: str | os.PathLike) -> None:
+    """`generation_config.json` with the tokenizer's BOS/EOS ids, unless `dst` has one."""
+    path = os.path.join(os.fspath(dst), "generation_config.json")
+    if os.path.isfile(path):
+        return
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in ids.items() if v is not None}, f, indent=2)
+
+
+def gguf_to_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype=np.float32,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> LlamaConfig:
+    """Writes a Llama `.gguf` file as a Hugging Face folder: weights, config and tokenizer.
+
+    Quantized GGUF tensors are dequantized (float32 holds every dequantized value exactly;
+    `dtype=jnp.bfloat16` rounds them) and q/k rows get llama.cpp's RoPE permutation undone, as
+    `from_pretrained` reads them. The tokenizer is rebuilt from the GGUF metadata with its chat
+    template, as `load_tokenizer` reads it. Returns the model's config.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    kind = checkpoint_kind(src)
+    if kind != "gguf":
+        raise ValueError(f"{src!r} is a {kind} checkpoint, not a .gguf file")
+    config, source = _open_source(src, kind)
+    _plan(config, kind, source)
+
+    def tensors():
+        for e in name_map(config):
+            yield e.hf_name, source.get(e.hf_name).astype(dtype)
+
+    _write_folder(dst, config, "hf", tensors(), max_shard_bytes)
+    from coat_jax.gguf_io import load_gguf_tokenizer
+
+    write_tokenizer_files(load_gguf_tokenizer(src), dst)
+    return config
 
 
 def _dtype_name(dtype) -> str:
@@ -427,12 +512,18 @@ def save_pretrained(
     if not isinstance(model, Llama):
         raise TypeError(f"model must be a coat_jax.Llama, got {type(model).__name__}")
     _, state = nnx.split(model)
-    params = dict(_flat_params(state))
+    params = {}
+    for key, variable in _flat_params(state):
+        names = _layer_names(key, model.config, model.scan_layers)
+        for i, name in enumerate(names):
+            params[name] = (variable, i if len(names) > 1 or name != key else None)
     entries = name_map(model.config)
 
     def tensors():
         for e in entries:
-            array = np.asarray(jax.device_get(params[e.jax_name].get_value()))
+            variable, layer = params[e.jax_name]
+            value = variable.get_value()
+            array = np.asarray(jax.device_get(value if layer is None else value[layer]))
             if dtype is not None:
                 array = array.astype(dtype)
             if format == "hf":

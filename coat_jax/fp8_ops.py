@@ -53,13 +53,27 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from coat_jax import quant
 from pallas_kernels import fp8_act, fp8_quant
-from pallas_kernels._dispatch import check_implementation, resolve_implementation
+from pallas_kernels._dispatch import check_implementation, dispatch
+from pallas_kernels.sharding import KernelMesh
 
 PRECISIONS = ("bf16", "fp8", "coat")
 GEMM_DEQUANT = ("compute", "float32")
+
+# ``jax.ad_checkpoint.checkpoint_name`` of every activation an op keeps for backward, in every
+# precision: the FP8 codes and scales of the COAT ops (plus RMSNorm's 1/rms) and the inputs the
+# plain ops' autodiff needs. A remat policy that saves this name keeps exactly the precision
+# flow's residuals (SPEC section 3) and recomputes everything else, weight casts included
+# (``coat_jax.llama.REMAT_POLICIES``).
+ACTIVATION = "activation"
+
+
+def keep(tree):
+    """Tags every array of ``tree`` as a kept activation (:data:`ACTIVATION`) for remat."""
+    return jax.tree.map(lambda x: checkpoint_name(x, ACTIVATION), tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +84,15 @@ class FP8Config:
       act_format: FP8 format of forward activations and weights (SPEC: E4M3).
       grad_format: FP8 format of output gradients entering backward GEMMs (SPEC: E5M2).
       group_size: G of the 1xG groups of the non-linear ops and of group scaling (COAT: 16).
-      implementation: "auto" (Pallas kernels on a GPU, XLA elsewhere), "xla" or "pallas", for the
-        quantizers and the fused non-linear kernels. The GEMMs are always XLA dots.
-      interpret: run Pallas kernels in interpret mode (CPU tests).
+      implementation: "auto" (Pallas kernels where they apply: on a GPU, on one device or with
+        ``mesh`` given; XLA elsewhere), "xla" or "pallas", for the quantizers and the fused
+        non-linear kernels. The GEMMs are always XLA dots.
+      interpret: run Pallas kernels in interpret mode (CPU tests; "auto" then tries them too).
       tiles: tile sizes of the Pallas kernels.
+      mesh: the :class:`~pallas_kernels.sharding.KernelMesh` of a multi-device program (its
+        mesh, the batch axes the activations' leading axis is split over, the FSDP axis of the
+        weights): the Pallas kernels then run on each shard, and per-tensor scales take the
+        maximum over the mesh. ``None``: one device, or (with "auto") XLA on several.
       gemm_dequant: dtype the FP8 codes are converted to in the ``dot(convert(codes), ...)``
         pattern that XLA rewrites to cuBLASLt's FP8 GEMM: "float32" (default) or "compute" (the
         activations' dtype). Both are exact (FP8 values are exact in BF16); the GEMM accumulates
@@ -87,6 +106,7 @@ class FP8Config:
     interpret: bool = False
     tiles: fp8_quant.TileConfig = fp8_quant.DEFAULT_TILES
     gemm_dequant: str = "float32"
+    mesh: KernelMesh | None = None
 
     def __post_init__(self):
         if self.gemm_dequant not in GEMM_DEQUANT:
@@ -97,6 +117,11 @@ class FP8Config:
         quant.fp8_format(self.grad_format)
         quant.check_group_size(self.group_size)
         check_implementation(self.implementation)
+        if self.mesh is not None and not isinstance(self.mesh, KernelMesh):
+            raise TypeError(
+                f"FP8Config.mesh must be a KernelMesh (pallas_kernels.sharding) or None, got "
+                f"{type(self.mesh).__name__}; wrap a Mesh as KernelMesh(mesh)"
+            )
 
     def kernel_kwargs(self) -> dict:
         return dict(
@@ -104,6 +129,7 @@ class FP8Config:
             implementation=self.implementation,
             interpret=self.interpret,
             tiles=self.tiles,
+            mesh=self.mesh,
         )
 
 
@@ -143,15 +169,27 @@ def materialize(tree):
     return jax.lax.optimization_barrier(tree)
 
 
-def _per_tensor(x, fmt, config: FP8Config):
-    codes_scale = fp8_quant.quantize_per_tensor(x, fmt=fmt, **config.kernel_kwargs())
-    if resolve_implementation(config.implementation) == "pallas":
+def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False):
+    """Per-tensor codes and scale of ``x``, an activation (on a kernel mesh: split along its
+    leading axis over the batch axes) or, with ``weight=True``, a weight (split by the FSDP
+    rule)."""
+    mesh = config.mesh
+    partition = mesh.param_spec(x.shape) if mesh is not None and weight else None
+    kw = dict(fmt=fmt, group_size=config.group_size)
+    return dispatch(
+        "quantize_per_tensor",
+        config.implementation,
+        interpret=config.interpret,
+        mesh=mesh,
         # A Pallas quantizer is opaque to XLA, so nothing can fold its round trip; a barrier
         # here would also hide the FP8 codes from the GEMM rewriter (measured on the H200: an
         # optimization barrier between the codes and the dot turns cuBLASLt FP8 GEMMs into
         # float32 ones).
-        return codes_scale
-    return materialize(codes_scale)
+        pallas=lambda: fp8_quant.quantize_per_tensor_pallas(
+            x, tiles=config.tiles, interpret=config.interpret, mesh=mesh, partition=partition, **kw
+        ),
+        xla=lambda: materialize(fp8_quant.quantize_per_tensor_reference(x, **kw)),
+    )[1]
 
 
 # XLA options under which the FP8 GEMMs compile to cuBLASLt FP8 on a GPU (H200, JAX 0.11.2,
@@ -255,7 +293,7 @@ def _fp8_linear_fwd(x, w, config):
         y = _fp8_dot(x_q, x_s, w_q, w_s, ((1,), (0,)), config, x.dtype, x.dtype)
         ys.append(y.reshape(*x.shape[:-1], wi.shape[1]))
     out = tuple(ys) if isinstance(w, (tuple, list)) else ys[0]
-    return out, (x_q, x_s, w)
+    return out, (*keep((x_q, x_s)), w)
 
 
 def _fp8_linear_bwd(config, res, dy):
@@ -340,7 +378,7 @@ def _fp8_rmsnorm_fwd(x, weight, eps, config):
     y, codes, scale, rstd = fp8_act.rmsnorm_fwd(
         x, weight, eps, fmt=config.act_format, **config.kernel_kwargs()
     )
-    return y, (*materialize((codes, scale)), rstd, weight)
+    return y, (*keep((*materialize((codes, scale)), rstd)), weight)
 
 
 def _fp8_rmsnorm_bwd(eps, config, res, dy):
@@ -361,7 +399,7 @@ def fp8_silu(x: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> jax.Array:
 def _fp8_silu_fwd(x, config):
     _check_float("x", x)
     y, codes, scale = fp8_act.silu_fwd(x, fmt=config.act_format, **config.kernel_kwargs())
-    return y, materialize((codes, scale))
+    return y, keep(materialize((codes, scale)))
 
 
 def _fp8_silu_bwd(config, res, dy):
@@ -382,7 +420,7 @@ def _fp8_mul_fwd(a, b, config):
     y, a_codes, a_scale, b_codes, b_scale = fp8_act.mul_fwd(
         a, b, fmt=config.act_format, **config.kernel_kwargs()
     )
-    return y, materialize((a_codes, a_scale, b_codes, b_scale))
+    return y, keep(materialize((a_codes, a_scale, b_codes, b_scale)))
 
 
 def _fp8_mul_bwd(config, res, dy):
@@ -405,7 +443,7 @@ def fp8_swiglu(gate: jax.Array, up: jax.Array, config: FP8Config = DEFAULT_CONFI
 def _fp8_swiglu_fwd(gate, up, config):
     _check_pair("fp8_swiglu", gate, up)
     y, *saved = fp8_act.swiglu_fwd(gate, up, fmt=config.act_format, **config.kernel_kwargs())
-    return y, materialize(tuple(saved))
+    return y, keep(materialize(tuple(saved)))
 
 
 def _fp8_swiglu_bwd(config, res, dy):
@@ -453,7 +491,7 @@ def _fp8_attention_fwd(q, k, v, is_causal, config):
     out = _attend(q, k, v, is_causal)
     kw = config.kernel_kwargs()
     saved = [fp8_quant.quantize_per_group(t, fmt=config.act_format, **kw) for t in (q, k, v)]
-    return out, materialize(tuple(saved))
+    return out, keep(materialize(tuple(saved)))
 
 
 def _fp8_attention_bwd(is_causal, config, res, dy):
@@ -501,24 +539,26 @@ def linear(x: jax.Array, w):
     A tuple ``w`` gives a tuple of outputs: one dot per weight, so autodiff keeps ``x`` once and
     no concatenated weight.
     """
+    x = keep(x)
     if isinstance(w, (tuple, list)):
-        return tuple(linear(x, wi) for wi in w)
+        return tuple(jnp.einsum("...k,kn->...n", x, wi.astype(x.dtype)) for wi in w)
     return jnp.einsum("...k,kn->...n", x, w.astype(x.dtype))
 
 
 def rmsnorm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Hugging Face Llama's RMSNorm: float32 statistics, output in ``x.dtype``."""
+    x = keep(x)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
 def silu(x: jax.Array) -> jax.Array:
-    return jax.nn.silu(x)
+    return jax.nn.silu(keep(x))
 
 
 def mul(a: jax.Array, b: jax.Array) -> jax.Array:
-    return a * b
+    return keep(a) * keep(b)
 
 
 def add(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -538,6 +578,8 @@ class OpSet(NamedTuple):
     silu: Callable[[jax.Array], jax.Array]
     mul: Callable[[jax.Array, jax.Array], jax.Array]
     add: Callable[[jax.Array, jax.Array], jax.Array]
+    # Causal attention ``(q, k, v) -> out``; None: the model's own (BF16, cuDNN on a GPU).
+    attention: Callable | None = None
 
 
 def ops_for(precision: str, config: FP8Config = DEFAULT_CONFIG) -> OpSet:

@@ -24,10 +24,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from coat_jax.fp8_ops import DEFAULT_CONFIG, PRECISIONS, FP8Config, ops_for
+from coat_jax.fp8_ops import (
+    ACTIVATION,
+    DEFAULT_CONFIG,
+    PRECISIONS,
+    FP8Config,
+    fp8_attention,
+    ops_for,
+)
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# checkpoint_name of what attention keeps for backward (cuDNN: q, k, v, output, log-sum-exp;
+# elsewhere q, k, v, with the attention recomputed).
+ATTENTION = "attention"
+# Named rematerialization policies for the decoder layers (MaxText's ``remat_policy``). They work
+# by the checkpoint_name tags on what each op keeps, never by primitive name or rank:
+#   none        no jax.checkpoint: XLA's autodiff keeps what it keeps (weight casts included).
+#   full        keep only each layer's input; backward recomputes the whole layer.
+#   attention   keep what attention keeps; recompute the rest (norms, MLP, projections).
+#   activations keep what each op tags as its residual (ACTIVATION) plus attention's: in
+#               precision "coat" exactly SPEC section 3's FP8 residuals; in "bf16" the BF16
+#               inputs of the linears, norms, SiLU and product. Weight casts, quantized weights
+#               and float32 intermediates are recomputed in backward.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "attention": jax.checkpoint_policies.save_only_these_names(ATTENTION),
+    "activations": jax.checkpoint_policies.save_only_these_names(ACTIVATION, ATTENTION),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,13 +310,7 @@ def _attention_impl(dtype) -> str:
     return "xla"
 
 
-def causal_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
-    """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
-
-    On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
-    XLA's version would keep the [B, N, T, T] probabilities, so there it is rematerialized
-    (`jax.checkpoint` keeps the inputs only), as SPEC section 3 asks.
-    """
+def _attend(q_BTNH, k_BTKH, v_BTKH):
     impl = _attention_impl(q_BTNH.dtype)
     attend = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation=impl
@@ -298,6 +318,31 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
     if impl == "xla":
         attend = jax.checkpoint(attend)
     return attend(q_BTNH, k_BTKH, v_BTKH)
+
+
+@jax.custom_vjp
+def causal_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
+    """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
+
+    On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
+    XLA's version would keep the [B, N, T, T] probabilities, so there it is rematerialized
+    (`jax.checkpoint` keeps the inputs only), as SPEC section 3 asks. Whatever the
+    implementation keeps is tagged `ATTENTION` for the remat policies: the forward is
+    `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
+    """
+    return _attend(q_BTNH, k_BTKH, v_BTKH)
+
+
+def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH):
+    out, pullback = jax.vjp(_attend, q_BTNH, k_BTKH, v_BTKH)
+    return out, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION), pullback)
+
+
+def _causal_attention_bwd(pullback, dout):
+    return pullback(dout)
+
+
+causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
 def _param(rngs: nnx.Rngs, shape, param_dtype, std: float) -> nnx.Param:
@@ -333,7 +378,7 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
         k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
         v_BTKH = v.reshape(b, t, k, hd)
-        out_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        out_BTNH = (ops.attention or causal_attention)(q_BTNH, k_BTKH, v_BTKH)
         return ops.linear(out_BTNH.reshape(b, t, n * hd), self.o_proj[...])
 
 
@@ -369,6 +414,98 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+def check_remat(remat: str) -> str:
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r} is not one of {list(REMAT_POLICIES)}")
+    return remat
+
+
+def _stacked_layers(config: LlamaConfig, param_dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """One `DecoderLayer` whose parameters carry a leading `num_hidden_layers` axis.
+
+    The per-layer init is `jax.vmap`ped over split keys, so under `jax.jit` (or
+    `nnx.eval_shape`) the stacked weights are drawn on the device in one program, with no
+    per-layer Python loop and no host copy.
+    """
+    make = lambda key: DecoderLayer(config, param_dtype=param_dtype, rngs=nnx.Rngs(params=key))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(jax.random.key(0))))
+    keys = jax.random.split(rngs.params(), config.num_hidden_layers)
+    state = jax.vmap(lambda key: nnx.split(make(key))[1])(keys)
+    return nnx.merge(graphdef, state)
+
+
+def _layer_fn(graphdef, remat: str, ops, inv_freq, *, in_scan: bool):
+    """``(x, layer_state, positions) -> x`` for one decoder layer, under the remat policy."""
+
+    def run(x_BTD, layer_state, positions_BT):
+        return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, inv_freq, ops)
+
+    if remat == "none":
+        return run
+    # Inside a scan the loop boundary already stops XLA from merging the recomputation with
+    # the forward, so CSE prevention is not needed there (jax.checkpoint's docs).
+    return jax.checkpoint(run, policy=REMAT_POLICIES[remat], prevent_cse=not in_scan)
+
+
+def is_stacked(params: Mapping) -> bool:
+    """True for a pure-dict parameter tree in the scanned layout (stacked `layers`)."""
+    layers = params.get("layers")
+    if not isinstance(layers, Mapping) or not layers:
+        raise ValueError("not a Llama parameter tree: it has no 'layers' entry")
+    int_keys = [isinstance(k, (int, np.integer)) for k in layers]
+    if all(int_keys):
+        return False
+    if any(int_keys):
+        raise ValueError(f"'layers' mixes layer indices and names: {sorted(map(str, layers))}")
+    return True
+
+
+def stack_layers(params: Mapping) -> dict:
+    """Unrolled pure-dict parameters (`layers` = {0: ..., 1: ...}) -> the scanned layout.
+
+    Works on any tree that mirrors the parameters (optimizer moments, FP8 codes and per-group
+    statistics: their last axis is untouched, so groups stay the same). Identity on a tree
+    that is already stacked.
+    """
+    if is_stacked(params):
+        return dict(params)
+    layers = params["layers"]
+    per_layer = [layers[i] for i in sorted(layers)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs) if _is_array(xs[0]) else xs[0], *per_layer)
+    return {**params, "layers": stacked}
+
+
+def unstack_layers(params: Mapping) -> dict:
+    """The scanned layout -> unrolled pure-dict parameters; identity on an unrolled tree."""
+    if not is_stacked(params):
+        return dict(params)
+    stacked = params["layers"]
+    arrays = [a for a in jax.tree.leaves(stacked) if _is_array(a)]
+    if not arrays:
+        raise ValueError("stacked 'layers' hold no arrays")
+    n = arrays[0].shape[0]
+    layers = {
+        i: jax.tree.map(lambda a, i=i: a[i] if _is_array(a) else a, stacked) for i in range(n)
+    }
+    return {**params, "layers": layers}
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def relayout(tree, *, scan_layers: bool):
+    """Every parameter-mirroring dict in ``tree`` (one with a ``layers`` entry) in one layout.
+
+    ``tree`` may be the parameters, an optimizer state holding trees like them (optax's
+    ``mu``/``nu``, coat_adamw's FP8 codes and per-group statistics) or a dict of both;
+    everything else passes through unchanged.
+    """
+    convert = stack_layers if scan_layers else unstack_layers
+    is_params = lambda x: isinstance(x, Mapping) and "layers" in x and "embed_tokens" in x
+    return jax.tree.map(lambda x: convert(x) if is_params(x) else x, tree, is_leaf=is_params)
+
+
 class Llama(nnx.Module):
     """Llama causal LM: int token ids [batch, seq] -> float32 logits [batch, seq, vocab].
 
@@ -381,11 +518,22 @@ class Llama(nnx.Module):
       rngs: initialization randomness (normal, std 0.02, as HF's `initializer_range`).
       fp8_config: static settings of the FP8 ops (formats, group size, kernels) for "fp8" and
         "coat"; None means `coat_jax.fp8_ops.DEFAULT_CONFIG`.
+      scan_layers: keep the decoder layers' parameters stacked (leading `num_hidden_layers`
+        axis) and run them with `jax.lax.scan`: one compiled layer body instead of one per
+        layer (MaxText's `scan_layers`). The pure-dict layouts convert with `stack_layers` /
+        `unstack_layers`; the same seed draws different weights in the two layouts.
+      remat: a name of `REMAT_POLICIES`, applied to every decoder layer (scanned or not).
+      fp8_attention: keep attention's q, k and v for backward as FP8 (E4M3, 1xG scales) and
+        re-run the attention forward in backward (`coat_jax.fp8_ops.fp8_attention`), instead
+        of the BF16 q, k, v, output and log-sum-exp cuDNN keeps. Beyond COAT; "fp8" and
+        "coat" precision only. The forward is unchanged (attention on the exact q, k, v).
 
     Example:
       >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
       ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-      >>> logits = Llama(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 8), jnp.int32))
+      >>> logits = Llama(cfg, rngs=nnx.Rngs(0), scan_layers=True)(jnp.zeros((1, 8), jnp.int32))
+      >>> logits.shape
+      (1, 8, 64)
     """
 
     def __init__(
@@ -397,6 +545,9 @@ class Llama(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
         fp8_config: FP8Config | None = None,
+        scan_layers: bool = False,
+        remat: str = "none",
+        fp8_attention: bool = False,
     ):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
@@ -404,40 +555,86 @@ class Llama(nnx.Module):
         self.precision = check_precision(precision)
         self.dtype = jnp.dtype(dtype)
         self.fp8_config = DEFAULT_CONFIG if fp8_config is None else fp8_config
+        self.scan_layers = bool(scan_layers)
+        self.remat = check_remat(remat)
+        if fp8_attention and self.precision == "bf16":
+            raise ValueError(
+                "fp8_attention=True needs precision 'fp8' or 'coat' (FP8 residuals); "
+                "precision 'bf16' is the plain baseline"
+            )
+        self.fp8_attention = bool(fp8_attention)
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.embed_tokens = _param(rngs, (config.vocab_size, config.hidden_size), param_dtype, 0.02)
-        self.layers = nnx.List(
-            [
-                DecoderLayer(config, param_dtype=param_dtype, rngs=rngs)
-                for _ in range(config.num_hidden_layers)
-            ]
-        )
+        if self.scan_layers:
+            self.layers = _stacked_layers(config, param_dtype, rngs)
+        else:
+            self.layers = nnx.List(
+                [
+                    DecoderLayer(config, param_dtype=param_dtype, rngs=rngs)
+                    for _ in range(config.num_hidden_layers)
+                ]
+            )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
         if not config.tie_word_embeddings:
             self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), param_dtype, 0.02)
 
-    def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None):
-        """Logits [B, T, V] in float32; `positions` default to 0..T-1 for every row."""
+    def hidden_states(
+        self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None
+    ) -> jax.Array:
+        """The final normed hidden states [B, T, D] in the compute dtype (before the LM head)."""
         if input_ids_BT.ndim != 2 or not jnp.issubdtype(input_ids_BT.dtype, jnp.integer):
             raise ValueError(
                 "input_ids must be int token ids of shape [batch, seq], got "
                 f"{input_ids_BT.dtype}{tuple(input_ids_BT.shape)}"
             )
-        ops = ops_for(self.precision, self.fp8_config)
         b, t = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        inv_freq = rope_inv_freq(self.config)
         # Gather rows in the master dtype, then cast: casting the whole table first would
         # materialize a second [vocab, hidden] copy every step.
         x_BTD = jnp.take(self.embed_tokens[...], input_ids_BT, axis=0).astype(self.dtype)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, positions_BT, inv_freq, ops)
-        x_BTD = self.norm(x_BTD, ops)
-        if self.config.tie_word_embeddings:
-            w_DV = self.embed_tokens[...].T
-        else:
-            w_DV = self.lm_head[...]
+        x_BTD = self.decoder(x_BTD, positions_BT)
+        return self.norm(x_BTD, self.ops())
+
+    def ops(self):
+        """The op set of this model's precision (with FP8 attention if asked for)."""
+        ops = ops_for(self.precision, self.fp8_config)
+        if self.fp8_attention:
+            config = self.fp8_config
+            ops = ops._replace(attention=lambda q, k, v: fp8_attention(q, k, v, True, config))
+        return ops
+
+    def decoder(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """The decoder layers on embedded inputs [B, T, D] (scanned or not, under the remat)."""
+        ops = self.ops()
+        inv_freq = rope_inv_freq(self.config)
+        if self.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+            layer = _layer_fn(graphdef, self.remat, ops, inv_freq, in_scan=True)
+
+            def body(x_BTD, layer_state):
+                return layer(x_BTD, layer_state, positions_BT), None
+
+            x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+            return x_BTD
+        for decoder_layer in self.layers:
+            graphdef, layer_state = nnx.split(decoder_layer)
+            layer = _layer_fn(graphdef, self.remat, ops, inv_freq, in_scan=False)
+            x_BTD = layer(x_BTD, layer_state, positions_BT)
+        return x_BTD
+
+    def output_weight(self, *, cast: bool = True) -> jax.Array:
+        """The LM head as [D, V] (the tied embedding's transpose if tied).
+
+        In the compute dtype, or with ``cast=False`` in the master dtype (for a loss that casts
+        block by block, such as ``coat_jax.losses.cross_entropy_from_hidden``).
+        """
+        w_DV = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return w_DV.astype(self.dtype) if cast else w_DV
+
+    def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None):
+        """Logits [B, T, V] in float32; `positions` default to 0..T-1 for every row."""
+        x_BTD = self.hidden_states(input_ids_BT, positions_BT)
         return jnp.einsum(
-            "btd,dv->btv", x_BTD, w_DV.astype(self.dtype), preferred_element_type=jnp.float32
+            "btd,dv->btv", x_BTD, self.output_weight(), preferred_element_type=jnp.float32
         )

@@ -19,6 +19,13 @@ Groups are ``group_size`` consecutive values along the last axis; a last axis th
 multiple of ``group_size`` ends in a shorter, zero-padded group. Parameters that keep float32
 moments: scalars (no axis to group along), empty arrays, and those ``fp8_mask`` excludes. For them
 ``*_codes`` holds the float32 moment itself and the statistics are ``optax.MaskedNode()``.
+
+Sharded parameters (issue 16): on several devices the Pallas kernel runs on each shard through
+``shard_map`` once the optimizer knows the mesh: ``coat_adamw(..., mesh=mesh)``, with each
+parameter's ``PartitionSpec`` from ``partition_specs`` (default: the trainer's own rule,
+``coat_jax.training.sharding.param_shardings``). Inside ``jit`` the parameters are tracers whose
+placement XLA decides later, so the mesh has to be told; without it ``implementation="auto"``
+keeps multi-device programs on the jnp path, which XLA partitions like any jnp code.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax import quant
 from pallas_kernels import coat_adam as kernels
@@ -175,6 +182,8 @@ def scale_by_coat_adam(
     fp8_mask: Any | Callable[[optax.Params], Any] | None = None,
     implementation: str = "auto",
     interpret: bool = False,
+    mesh: Mesh | None = None,
+    partition_specs: Any | Callable[[optax.Params], Any] | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescales updates by Adam's rule, keeping both moments in FP8 (COAT).
 
@@ -199,9 +208,18 @@ def scale_by_coat_adam(
       fp8_mask: which parameters get FP8 moments, in optax's ``MaskOrFn`` convention (a tree of
         bools like the parameters, or a function of the parameters returning one). ``None``:
         all of them. Masked-out ones, scalars and empty arrays keep float32 moments.
-      implementation: ``"auto"`` (the Pallas kernel on a GPU, jnp elsewhere), ``"xla"`` or
-        ``"pallas"``.
-      interpret: run the Pallas kernel in interpret mode (for CPU tests).
+      implementation: ``"auto"`` (the Pallas kernel where it applies: on a GPU, with a
+        power-of-two group size, on one device or with ``mesh`` given; jnp elsewhere),
+        ``"xla"`` or ``"pallas"``.
+      interpret: run the Pallas kernel in interpret mode (for CPU tests; ``"auto"`` then tries
+        it too).
+      mesh: the ``jax.sharding.Mesh`` the parameters are sharded over. The kernel then runs on
+        each shard (``shard_map``): no gather of parameters, gradients or state. ``None``: one
+        device, or (with ``"auto"``) the jnp path on several.
+      partition_specs: each parameter's ``PartitionSpec`` on ``mesh``: a tree like the
+        parameters, or a function of the parameters returning one. ``None``: the trainer's FSDP
+        rule (``coat_jax.training.sharding.param_shardings``; the mesh needs an ``"fsdp"``
+        axis). The state may live anywhere; XLA moves what differs from these specs.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`ScaleByCoatAdamState`.
@@ -228,6 +246,10 @@ def scale_by_coat_adam(
         expansion=expansion,
     )
     check_implementation(implementation)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {mesh!r}")
+    if partition_specs is not None and mesh is None:
+        raise ValueError("partition_specs needs mesh=: the specs name that mesh's axes")
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)
@@ -247,11 +269,13 @@ def scale_by_coat_adam(
         del params
         leaves, treedef = jax.tree.flatten(updates)
         count = optax.safe_increment(state.count)
+        partitions = _leaf_partitions(updates, treedef, mesh, partition_specs)
         out, mus, nus = [], [], []
-        for g, mu, nu in zip(
+        for g, mu, nu, partition in zip(
             leaves,
             _moments_of(state, treedef, "mu"),
             _moments_of(state, treedef, "nu"),
+            partitions,
             strict=True,
         ):
             if mu.scale is None:
@@ -274,6 +298,8 @@ def scale_by_coat_adam(
                 spec=spec,
                 implementation=implementation,
                 interpret=interpret,
+                mesh=mesh,
+                partition=partition,
             )
             out.append(u)
             mus.append(_masked_moment(new_mu))
@@ -281,6 +307,36 @@ def scale_by_coat_adam(
         return treedef.unflatten(out), _state_from_leaves(count, treedef, mus, nus)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
+    """Per leaf of ``updates``: its ``PartitionSpec`` on ``mesh`` (``None`` without a mesh)."""
+    if mesh is None:
+        return [None] * treedef.num_leaves
+    if partition_specs is None:
+        if "fsdp" not in mesh.axis_names:
+            raise ValueError(
+                f"coat_adamw(mesh=...) derives each parameter's spec by the FSDP rule, which "
+                f"needs an 'fsdp' mesh axis; the mesh has {list(mesh.axis_names)}. Pass "
+                "partition_specs (a tree of PartitionSpecs like the parameters)"
+            )
+        # Imported here: coat_jax.training imports this module.
+        from coat_jax.training.sharding import param_shardings
+
+        tree = jax.tree.map(lambda s: s.spec, param_shardings(updates, mesh))
+    else:
+        tree = partition_specs(updates) if callable(partition_specs) else partition_specs
+    try:
+        specs = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "partition_specs must be a tree of PartitionSpecs with the parameters' structure "
+            f"(or a callable returning one); it does not match the parameters: {e}"
+        ) from None
+    for s in specs:
+        if not isinstance(s, PartitionSpec):
+            raise ValueError(f"partition_specs holds {s!r}; every leaf must be a PartitionSpec")
+    return specs
 
 
 def _named_format(name: str, fmt) -> str:
@@ -331,6 +387,8 @@ def coat_adamw(
     fp8_mask: Any | Callable[[optax.Params], Any] | None = None,
     implementation: str = "auto",
     interpret: bool = False,
+    mesh: Mesh | None = None,
+    partition_specs: Any | Callable[[optax.Params], Any] | None = None,
 ) -> optax.GradientTransformation:
     r"""AdamW with FP8 moments (COAT): ``optax.adamw``'s signature and math, quantized state.
 
@@ -346,7 +404,7 @@ def coat_adamw(
       weight_decay: decoupled weight decay (uses the parameter before this step).
       mask: which parameters weight decay applies to (optax's ``MaskOrFn``).
       group_size, expand_min, expansion, mu_format, nu_format, fp8_mask, implementation,
-        interpret: see :func:`scale_by_coat_adam`.
+        interpret, mesh, partition_specs: see :func:`scale_by_coat_adam`.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -373,6 +431,8 @@ def coat_adamw(
             fp8_mask=fp8_mask,
             implementation=implementation,
             interpret=interpret,
+            mesh=mesh,
+            partition_specs=partition_specs,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

@@ -1,9 +1,17 @@
 """One COAT AdamW step for one parameter: dequantize the FP8 moments, update, re-quantize.
 
 ``coat_adam_step`` is the entry point ``coat_jax.scale_by_coat_adam`` calls per parameter. It
-dispatches on ``implementation``: ``"xla"`` runs :func:`coat_adam_step_reference` (plain jnp, the
-CPU path and the numerics contract, SPEC section 2 line by line), ``"pallas"`` the fused kernel
-:func:`coat_adam_step_pallas`, ``"auto"`` the kernel on a GPU and the reference elsewhere.
+dispatches on ``implementation`` through :func:`pallas_kernels._dispatch.dispatch`: ``"xla"`` runs
+:func:`coat_adam_step_reference` (plain jnp, the CPU path and the numerics contract, SPEC section
+2 line by line), ``"pallas"`` the fused kernel :func:`coat_adam_step_pallas`, ``"auto"`` the
+kernel where it applies (a GPU, a power-of-two group size, one device or a known mesh) and the
+reference elsewhere.
+
+Sharded parameters: with ``mesh`` and the parameter's ``partition`` (a ``PartitionSpec``) the
+kernel runs on each shard through ``shard_map``, with no gather of the parameter, its gradient or
+its state: every group lies on one shard, because the kernel runs under
+:func:`pallas_kernels.sharding.group_aligned_spec` (a split of the last axis off group boundaries
+moves to another axis, or that axis is replicated). The hyper-parameters are a replicated operand.
 
 A moment travels as a :class:`Moment`: codes with the parameter's shape in a float8 dtype and
 float32 per-group statistics of shape ``param.shape[:-1] + (ceil(n / group_size),)``; ``expand``
@@ -39,11 +47,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import Mesh, PartitionSpec
 
 from coat_jax import quant
-from pallas_kernels._dispatch import (
-    resolve_implementation,
-)
+from pallas_kernels._dispatch import dispatch, require_gpu
+from pallas_kernels.sharding import check_spec, group_aligned_spec, shard_map
 
 
 class Moment(NamedTuple):
@@ -136,29 +144,21 @@ def coat_adam_step_reference(
 # --- dispatch -------------------------------------------------------------------------------
 
 
-def _kernel_applies(spec: MomentSpec) -> bool:
-    """Whether the kernel handles ``spec``: Triton tiles need a power-of-two group size."""
-    return spec.group_size & (spec.group_size - 1) == 0
+def _check_kernel_spec(spec: MomentSpec) -> None:
+    """``NotImplementedError`` unless the kernel handles ``spec``: Triton tiles need a
+    power-of-two group size."""
+    if spec.group_size & (spec.group_size - 1):
+        raise NotImplementedError(
+            f"the Pallas kernel needs a power-of-two group_size, got {spec.group_size}"
+        )
 
 
-def _resolve(implementation: str, spec: MomentSpec, interpret: bool) -> str:
-    impl = resolve_implementation(implementation)
-    if implementation == "auto" and not _kernel_applies(spec):
-        # "auto" means the fastest path that exists; for these group sizes that is XLA's.
-        return "xla"
-    if impl == "pallas":
-        if not _kernel_applies(spec):
-            raise ValueError(
-                f"implementation='pallas' needs a power-of-two group_size, got "
-                f"{spec.group_size}; use implementation='xla' or 'auto' for this group size"
-            )
-        if not interpret and jax.default_backend() != "gpu":
-            raise ValueError(
-                f"implementation='pallas' runs on a GPU, but the default backend is "
-                f"{jax.default_backend()!r}; pass interpret=True, or implementation='xla' or "
-                "'auto'"
-            )
-    return impl
+def _check_placement(mesh, partition) -> None:
+    if (mesh is None) != (partition is None):
+        raise ValueError(
+            "mesh and partition go together: pass both (the parameter's PartitionSpec on that "
+            f"mesh) or neither; got mesh={mesh!r}, partition={partition!r}"
+        )
 
 
 def coat_adam_step(
@@ -174,17 +174,41 @@ def coat_adam_step(
     spec: MomentSpec,
     implementation: str = "auto",
     interpret: bool = False,
+    config: KernelConfig | None = None,
+    mesh: Mesh | None = None,
+    partition: PartitionSpec | None = None,
 ) -> tuple[jax.Array, Moment, Moment]:
     """COAT AdamW step of one parameter on the chosen implementation (see module docstring).
 
     ``"auto"`` runs the kernel on a GPU when the group size is a power of two (COAT's 128 is)
-    and the reference otherwise; ``"pallas"`` raises ``ValueError`` where the kernel cannot run.
+    and the placement is known (one device, or ``mesh`` given), the reference otherwise;
+    ``"pallas"`` raises ``ValueError`` where the kernel cannot run.
+
+    Args:
+      mesh, partition: the mesh the parameter is sharded over and its ``PartitionSpec`` (both or
+        neither): the kernel then runs on each shard. The reference needs neither.
+      config: kernel launch settings (``None``: :data:`DEFAULT_CONFIG`).
+      Others: as in :func:`coat_adam_step_reference`.
     """
-    impl = _resolve(implementation, spec, interpret)
+    _check_placement(mesh, partition)
     kwargs = dict(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
-    if impl == "xla":
-        return coat_adam_step_reference(grad, mu, nu, **kwargs)
-    return coat_adam_step_pallas(grad, mu, nu, interpret=interpret, **kwargs)
+    return dispatch(
+        "coat_adam_step",
+        implementation,
+        interpret=interpret,
+        mesh=mesh,
+        pallas=lambda: coat_adam_step_pallas(
+            grad,
+            mu,
+            nu,
+            interpret=interpret,
+            config=config,
+            mesh=mesh,
+            partition=partition,
+            **kwargs,
+        ),
+        xla=lambda: coat_adam_step_reference(grad, mu, nu, **kwargs),
+    )[1]
 
 
 # --- fused apply: the step plus weight decay, learning rate and the parameter update ---------
@@ -229,6 +253,8 @@ def coat_adamw_apply(
     implementation: str = "auto",
     interpret: bool = False,
     config: KernelConfig | None = None,
+    mesh: Mesh | None = None,
+    partition: PartitionSpec | None = None,
 ) -> tuple[jax.Array, Moment, Moment]:
     """One whole COAT AdamW step of one parameter: ``(new_param, new_mu, new_nu)``.
 
@@ -245,23 +271,41 @@ def coat_adamw_apply(
       b1, b2, eps, expand_min, learning_rate, weight_decay: numeric hyper-parameters (traced
         values are fine: they reach the kernel as operands).
       spec: static quantization settings.
-      implementation, interpret: as in :func:`coat_adam_step`.
+      implementation, interpret, mesh, partition: as in :func:`coat_adam_step`.
       config: kernel launch settings (``None``: :data:`DEFAULT_CONFIG`).
     """
-    impl = _resolve(implementation, spec, interpret)
+    _check_placement(mesh, partition)
     kwargs = dict(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
-    if impl == "xla":
-        return coat_adamw_apply_reference(
-            param, grad, mu, nu, learning_rate=learning_rate, weight_decay=weight_decay, **kwargs
+    decay = dict(learning_rate=learning_rate, weight_decay=weight_decay)
+
+    def pallas():
+        _check_kernel_spec(spec)
+        if param.shape != grad.shape:
+            raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
+        if not jnp.issubdtype(param.dtype, jnp.floating):
+            raise TypeError(f"param must be a float array, got {param.dtype}")
+        hyper = _hyper_vector(spec=spec, **decay, **_no_spec(kwargs))
+        return _sharded_call(
+            grad,
+            param,
+            mu,
+            nu,
+            hyper,
+            spec=spec,
+            config=config,
+            interpret=interpret,
+            mesh=mesh,
+            partition=partition,
         )
-    if param.shape != grad.shape:
-        raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
-    if not jnp.issubdtype(param.dtype, jnp.floating):
-        raise TypeError(f"param must be a float array, got {param.dtype}")
-    hyper = _hyper_vector(
-        spec=spec, learning_rate=learning_rate, weight_decay=weight_decay, **_no_spec(kwargs)
-    )
-    return _fused_call(grad, param, mu, nu, hyper, spec=spec, config=config, interpret=interpret)
+
+    return dispatch(
+        "coat_adamw_apply",
+        implementation,
+        interpret=interpret,
+        mesh=mesh,
+        pallas=pallas,
+        xla=lambda: coat_adamw_apply_reference(param, grad, mu, nu, **decay, **kwargs),
+    )[1]
 
 
 # --- the kernel -----------------------------------------------------------------------------
@@ -569,6 +613,7 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
     n_groups = quant.num_groups(n, gs)
     mu_stats = _check_moment("mu", mu, spec.mu_format, shape, n_groups, spec)
     nu_stats = _check_moment("nu", nu, spec.nu_format, shape, n_groups, spec)
+    require_gpu(interpret)
     rows = math.prod(shape[:-1])
     if n % gs == 0:
         # One group per row, contiguous: the reshapes are free (row-major bitcasts).
@@ -661,16 +706,70 @@ def coat_adam_step_pallas(
     spec: MomentSpec,
     interpret: bool = False,
     config: KernelConfig | None = None,
+    mesh: Mesh | None = None,
+    partition: PartitionSpec | None = None,
 ) -> tuple[jax.Array, Moment, Moment]:
     """The fused kernel version of :func:`coat_adam_step_reference` (same arguments, same result
     to float32 rounding; codes equal except at rounding ties).
 
     ``interpret=True`` runs the kernel body through XLA (CPU tests); ``config`` sets the launch
-    (``None``: :data:`DEFAULT_CONFIG`). Needs a power-of-two ``spec.group_size``.
+    (``None``: :data:`DEFAULT_CONFIG`); ``mesh`` and ``partition`` run it on each shard. Raises
+    ``NotImplementedError`` for a group size that is not a power of two, or off a GPU without
+    ``interpret``.
     """
-    if not _kernel_applies(spec):
-        raise ValueError(
-            f"the Pallas kernel needs a power-of-two group_size, got {spec.group_size}"
-        )
+    _check_placement(mesh, partition)
+    _check_kernel_spec(spec)
     hyper = _hyper_vector(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
-    return _fused_call(grad, None, mu, nu, hyper, spec=spec, config=config, interpret=interpret)
+    return _sharded_call(
+        grad,
+        None,
+        mu,
+        nu,
+        hyper,
+        spec=spec,
+        config=config,
+        interpret=interpret,
+        mesh=mesh,
+        partition=partition,
+    )
+
+
+def _sharded_call(grad, param, mu, nu, hyper, *, spec, config, interpret, mesh, partition):
+    """:func:`_fused_call`, on each shard of a parameter split as ``partition`` over ``mesh``."""
+    if mesh is None:
+        return _fused_call(
+            grad, param, mu, nu, hyper, spec=spec, config=config, interpret=interpret
+        )
+    shape = grad.shape
+    n_groups = quant.num_groups(shape[-1], spec.group_size)
+    # Whole-array checks first, so that a mismatch is reported in the caller's shapes.
+    mu_stats = _check_moment("mu", mu, spec.mu_format, shape, n_groups, spec)
+    _check_moment("nu", nu, spec.nu_format, shape, n_groups, spec)
+    check_spec(partition, shape, mesh, f"the partition of a parameter of shape {shape}")
+    split = group_aligned_spec(partition, shape, mesh, spec.group_size)
+    apply = param is not None
+    n_stats = len(mu_stats)
+    # Statistics have the parameter's rank; every group lies on one shard, so they split alike.
+    moment_specs = (split,) * (1 + n_stats)
+
+    def local(hyper, grad, *rest):
+        p = rest[0] if apply else None
+        moments = rest[1:] if apply else rest
+        mu_l = Moment(*moments[: 1 + n_stats])
+        nu_l = Moment(*moments[1 + n_stats :])
+        out, new_mu, new_nu = _fused_call(
+            grad, p, mu_l, nu_l, hyper, spec=spec, config=config, interpret=interpret
+        )
+        return (out, *_present(new_mu), *_present(new_nu))
+
+    in_specs = (PartitionSpec(), split) + ((split,) if apply else ()) + moment_specs * 2
+    out_specs = (split,) + moment_specs * 2
+    out, *moments = shard_map(local, mesh, in_specs, out_specs)(
+        hyper, grad, *((param,) if apply else ()), *_present(mu), *_present(nu)
+    )
+    return out, Moment(*moments[: 1 + n_stats]), Moment(*moments[1 + n_stats :])
+
+
+def _present(moment: Moment) -> tuple:
+    """A moment's codes and statistics, without the ``None`` of a moment without DRE."""
+    return tuple(x for x in moment if x is not None)

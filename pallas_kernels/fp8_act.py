@@ -13,10 +13,17 @@ backward reads those codes instead of a BF16 copy (SPEC section 3):
 
 Every op has a plain-jnp ``*_reference`` (the CPU path and the numerics contract) and a Pallas
 Triton kernel; the public entry points (``rmsnorm_fwd``, ``rmsnorm_bwd``, ``silu_fwd``, ...) take
-``implementation="auto" | "xla" | "pallas"`` and ``interpret`` like the quantizers in
-:mod:`pallas_kernels.fp8_quant`, whose tile layout (``[M, D / G, G]`` tiles) they share.
-RMSNorm's kernels hold whole rows, so they need ``D / G`` to be a power of two;
-:func:`pallas_supports` says whether a shape fits, and ``auto`` uses the reference when not.
+``implementation="auto" | "xla" | "pallas"``, ``interpret`` and ``mesh`` like the quantizers in
+:mod:`pallas_kernels.fp8_quant`, whose tile layout (``[M, D / G, G]`` tiles) they share, and go
+through the one dispatcher (:func:`pallas_kernels._dispatch.dispatch`). The kernels need ``D`` to
+be a multiple of ``G``, and RMSNorm's, which hold whole rows, ``D / G`` to be a power of two;
+:func:`pallas_supports` says whether a shape fits. A kernel raises ``NotImplementedError`` for
+a shape it does not take, so ``"auto"`` runs the reference there and ``"pallas"`` raises a
+``ValueError`` naming the shape.
+
+With ``mesh`` (a :class:`~pallas_kernels.sharding.KernelMesh`) the kernels run on each batch
+shard of activations split along their leading axis: per row and per group, they need nothing
+from other shards, except RMSNorm's weight gradient (a ``psum`` of the shards' partial sums).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from coat_jax import quant
-from pallas_kernels._dispatch import resolve_implementation
+from pallas_kernels._dispatch import dispatch, require_gpu
 from pallas_kernels.fp8_quant import (
     DEFAULT_TILES,
     group_quantize_tile,
@@ -36,6 +43,7 @@ from pallas_kernels.fp8_quant import (
     pow2_divisor,
     tiles_for,
 )
+from pallas_kernels.sharding import KernelMesh, over_batch
 
 OPS = ("rmsnorm", "silu", "mul", "swiglu")
 
@@ -50,19 +58,14 @@ def pallas_supports(op: str, shape: tuple[int, ...], group_size: int = 16) -> bo
     return op != "rmsnorm" or groups & (groups - 1) == 0
 
 
-def choose(op: str, shape, group_size: int, implementation: str) -> str:
-    """``"auto"`` -> Pallas on a GPU for supported shapes, else XLA; explicit choices are kept."""
-    impl = resolve_implementation(implementation)
-    if implementation == "auto" and impl == "pallas" and not pallas_supports(op, shape, group_size):
-        return "xla"
-    if impl == "pallas" and not pallas_supports(op, shape, group_size):
-        raise ValueError(
-            f"the Pallas {op} kernel does not support shape {tuple(shape)} with group_size "
-            f"{group_size} (needs the last axis a multiple of the group size"
-            + (", and a power-of-two number of groups)" if op == "rmsnorm" else ")")
-            + "; use implementation='xla' or 'auto'"
+def _check_supported(op: str, shape, group_size: int) -> None:
+    """``NotImplementedError`` for a shape the Pallas kernels of ``op`` do not take."""
+    if not pallas_supports(op, tuple(shape), group_size):
+        raise NotImplementedError(
+            f"the Pallas {op} kernels do not take shape {tuple(shape)} with group_size "
+            f"{group_size}: they need the last axis a multiple of the group size"
+            + (" and a power-of-two number of groups" if op == "rmsnorm" else "")
         )
-    return impl
 
 
 def _dequant(codes, scale, group_size):
@@ -232,6 +235,8 @@ def _elementwise_call(kernel, name, inputs, outputs, group_size, tiles, interpre
     same layouts, reshaped to the first input's leading shape.
     """
     full = next(a for kind, a in inputs if kind == "x")
+    grouped_view(full, group_size)  # NotImplementedError for a ragged last axis
+    require_gpu(interpret)
     lead, d = full.shape[:-1], full.shape[-1]
     m, g = full.size // d, d // group_size
     bm, bg = tiles_for(m, g, tiles)
@@ -273,9 +278,12 @@ def _row_specs(bm, g, group_size):
     )
 
 
+@over_batch("br", "bbbb")
 def rmsnorm_fwd_pallas(
     x, w, eps, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False
 ):
+    _check_supported("rmsnorm", x.shape, group_size)
+    require_gpu(interpret)
     x3 = grouped_view(x, group_size)
     m, g, _ = x3.shape
     bm = pow2_divisor(m, tiles.norm_block_rows)
@@ -304,9 +312,12 @@ def rmsnorm_fwd_pallas(
     )
 
 
+@over_batch("bbbbr", "bs")
 def rmsnorm_bwd_pallas(
     dy, codes, scale, rstd, w, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
 ):
+    _check_supported("rmsnorm", dy.shape, group_size)
+    require_gpu(interpret)
     dy3 = grouped_view(dy, group_size)
     m, g, _ = dy3.shape
     bm = pow2_divisor(m, tiles.norm_block_rows)
@@ -334,6 +345,7 @@ def rmsnorm_bwd_pallas(
     return dx.reshape(dy.shape), dw.astype(w.dtype)
 
 
+@over_batch("b", "bbb")
 def silu_fwd_pallas(x, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
     fp8 = quant.FORMATS[fmt]
     return tuple(
@@ -349,6 +361,7 @@ def silu_fwd_pallas(x, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interp
     )
 
 
+@over_batch("bbb", "b")
 def silu_bwd_pallas(dy, codes, scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False):
     (dx,) = _elementwise_call(
         _silu_bwd_kernel,
@@ -362,6 +375,7 @@ def silu_bwd_pallas(dy, codes, scale, *, group_size=16, tiles=DEFAULT_TILES, int
     return dx
 
 
+@over_batch("bb", "bbbbb")
 def mul_fwd_pallas(a, b, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
     fp8 = quant.FORMATS[fmt]
     return tuple(
@@ -377,6 +391,7 @@ def mul_fwd_pallas(a, b, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, inte
     )
 
 
+@over_batch("bb", "bbbbb")
 def swiglu_fwd_pallas(gate, up, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
     fp8 = quant.FORMATS[fmt]
     return tuple(
@@ -392,6 +407,7 @@ def swiglu_fwd_pallas(gate, up, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILE
     )
 
 
+@over_batch("bbbbb", "bb")
 def swiglu_bwd_pallas(
     dy, g_codes, g_scale, u_codes, u_scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
 ):
@@ -407,6 +423,7 @@ def swiglu_bwd_pallas(
     return dg, du
 
 
+@over_batch("bbbbb", "bb")
 def mul_bwd_pallas(
     dy, a_codes, a_scale, b_codes, b_scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
 ):
@@ -426,6 +443,10 @@ def mul_bwd_pallas(
 # entry points
 
 
+def _run(op, implementation, interpret, mesh, pallas, xla):
+    return dispatch(op, implementation, interpret=interpret, mesh=mesh, pallas=pallas, xla=xla)[1]
+
+
 def rmsnorm_fwd(
     x,
     w,
@@ -436,13 +457,19 @@ def rmsnorm_fwd(
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """Fused RMSNorm forward + 1xG quantization of ``x``: ``(y, codes, scale, rstd [..., 1])``."""
     quant.fp8_format(fmt)
-    if choose("rmsnorm", x.shape, group_size, implementation) == "xla":
-        return rmsnorm_fwd_reference(x, w, eps, group_size=group_size, fmt=fmt)
-    return rmsnorm_fwd_pallas(
-        x, w, eps, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret
+    return _run(
+        "rmsnorm_fwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: rmsnorm_fwd_pallas(
+            x, w, eps, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        lambda: rmsnorm_fwd_reference(x, w, eps, group_size=group_size, fmt=fmt),
     )
 
 
@@ -457,44 +484,100 @@ def rmsnorm_bwd(
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """RMSNorm backward from the saved FP8 input: ``(dx, dw)``."""
-    if choose("rmsnorm", dy.shape, group_size, implementation) == "xla":
-        return rmsnorm_bwd_reference(dy, codes, scale, rstd, w, group_size=group_size)
-    return rmsnorm_bwd_pallas(
-        dy, codes, scale, rstd, w, group_size=group_size, tiles=tiles, interpret=interpret
+    return _run(
+        "rmsnorm_bwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: rmsnorm_bwd_pallas(
+            dy,
+            codes,
+            scale,
+            rstd,
+            w,
+            group_size=group_size,
+            tiles=tiles,
+            interpret=interpret,
+            mesh=mesh,
+        ),
+        lambda: rmsnorm_bwd_reference(dy, codes, scale, rstd, w, group_size=group_size),
     )
 
 
 def silu_fwd(
-    x, *, group_size=16, fmt="e4m3", implementation="auto", interpret=False, tiles=DEFAULT_TILES
+    x,
+    *,
+    group_size=16,
+    fmt="e4m3",
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """Fused SiLU forward + 1xG quantization of ``x``: ``(y, codes, scale)``."""
     quant.fp8_format(fmt)
-    if choose("silu", x.shape, group_size, implementation) == "xla":
-        return silu_fwd_reference(x, group_size=group_size, fmt=fmt)
-    return silu_fwd_pallas(x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret)
+    return _run(
+        "silu_fwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: silu_fwd_pallas(
+            x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        lambda: silu_fwd_reference(x, group_size=group_size, fmt=fmt),
+    )
 
 
 def silu_bwd(
-    dy, codes, scale, *, group_size=16, implementation="auto", interpret=False, tiles=DEFAULT_TILES
+    dy,
+    codes,
+    scale,
+    *,
+    group_size=16,
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """SiLU backward from the saved FP8 input: ``dx``."""
-    if choose("silu", dy.shape, group_size, implementation) == "xla":
-        return silu_bwd_reference(dy, codes, scale, group_size=group_size)
-    return silu_bwd_pallas(
-        dy, codes, scale, group_size=group_size, tiles=tiles, interpret=interpret
+    return _run(
+        "silu_bwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: silu_bwd_pallas(
+            dy, codes, scale, group_size=group_size, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        lambda: silu_bwd_reference(dy, codes, scale, group_size=group_size),
     )
 
 
 def mul_fwd(
-    a, b, *, group_size=16, fmt="e4m3", implementation="auto", interpret=False, tiles=DEFAULT_TILES
+    a,
+    b,
+    *,
+    group_size=16,
+    fmt="e4m3",
+    implementation="auto",
+    interpret=False,
+    tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """Fused product + 1xG quantization of both inputs: ``(y, a_codes, a_scale, b_codes, b_scale)``."""
     quant.fp8_format(fmt)
-    if choose("mul", a.shape, group_size, implementation) == "xla":
-        return mul_fwd_reference(a, b, group_size=group_size, fmt=fmt)
-    return mul_fwd_pallas(a, b, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret)
+    return _run(
+        "mul_fwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: mul_fwd_pallas(
+            a, b, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        lambda: mul_fwd_reference(a, b, group_size=group_size, fmt=fmt),
+    )
 
 
 def mul_bwd(
@@ -508,19 +591,19 @@ def mul_bwd(
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """Product backward from the saved FP8 inputs: ``(da, db)``."""
-    if choose("mul", dy.shape, group_size, implementation) == "xla":
-        return mul_bwd_reference(dy, a_codes, a_scale, b_codes, b_scale, group_size=group_size)
-    return mul_bwd_pallas(
-        dy,
-        a_codes,
-        a_scale,
-        b_codes,
-        b_scale,
-        group_size=group_size,
-        tiles=tiles,
-        interpret=interpret,
+    saved = (dy, a_codes, a_scale, b_codes, b_scale)
+    return _run(
+        "mul_bwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: mul_bwd_pallas(
+            *saved, group_size=group_size, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        lambda: mul_bwd_reference(*saved, group_size=group_size),
     )
 
 
@@ -533,13 +616,19 @@ def swiglu_fwd(
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """Fused ``silu(gate) * up`` + 1xG quantization of both inputs (SiLU recomputed in backward)."""
     quant.fp8_format(fmt)
-    if choose("swiglu", gate.shape, group_size, implementation) == "xla":
-        return swiglu_fwd_reference(gate, up, group_size=group_size, fmt=fmt)
-    return swiglu_fwd_pallas(
-        gate, up, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret
+    return _run(
+        "swiglu_fwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: swiglu_fwd_pallas(
+            gate, up, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        lambda: swiglu_fwd_reference(gate, up, group_size=group_size, fmt=fmt),
     )
 
 
@@ -554,17 +643,17 @@ def swiglu_bwd(
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """SwiGLU backward from the saved FP8 gate and up: ``(d gate, d up)``."""
-    if choose("swiglu", dy.shape, group_size, implementation) == "xla":
-        return swiglu_bwd_reference(dy, g_codes, g_scale, u_codes, u_scale, group_size=group_size)
-    return swiglu_bwd_pallas(
-        dy,
-        g_codes,
-        g_scale,
-        u_codes,
-        u_scale,
-        group_size=group_size,
-        tiles=tiles,
-        interpret=interpret,
+    saved = (dy, g_codes, g_scale, u_codes, u_scale)
+    return _run(
+        "swiglu_bwd",
+        implementation,
+        interpret,
+        mesh,
+        lambda: swiglu_bwd_pallas(
+            *saved, group_size=group_size, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        lambda: swiglu_bwd_reference(*saved, group_size=group_size),
     )

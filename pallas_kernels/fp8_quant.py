@@ -9,9 +9,14 @@ Two quantizers feed COAT's FP8 activations (SPEC section 3):
   GEMM. The scale is found just in time by *group scaling*: a max over each 1xG group, then a
   max over that G-times smaller tensor, with no amax history.
 
-Each entry point takes ``implementation="auto" | "xla" | "pallas"`` (auto: the Pallas Triton
-kernel on a GPU, the plain-jnp ``*_reference`` elsewhere) and ``interpret`` (run the Pallas
-kernel in interpret mode, which is how the CPU tests check the kernels against the reference).
+Each entry point takes ``implementation="auto" | "xla" | "pallas"`` and ``interpret`` (run the
+Pallas kernel in interpret mode, which is how the CPU tests check the kernels against the
+reference), dispatched by :func:`pallas_kernels._dispatch.dispatch`: ``"auto"`` runs the Pallas
+Triton kernel where it applies and the plain-jnp ``*_reference`` otherwise (off a GPU, for a last
+axis that is not a multiple of ``G``). With ``mesh=`` (a
+:class:`~pallas_kernels.sharding.KernelMesh`) the kernels run on each shard of an operand
+sharded over the mesh; a per-tensor scale is then the maximum over all shards (one scalar
+``pmax``), bit for bit the scale one device computes.
 
 Kernel layout: ``x [..., D]`` is viewed (for free) as ``[M, D / G, G]``; a program handles a
 ``[block_rows, block_groups, G]`` tile, so group maxima are a reduction over the tile's last axis
@@ -29,11 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec
 
 from coat_jax import quant
-from pallas_kernels._dispatch import (
-    resolve_implementation,
-)
+from pallas_kernels._dispatch import dispatch, require_gpu
+from pallas_kernels.sharding import KernelMesh, check_spec, over_batch, shard_map, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +77,14 @@ def pow2_divisor(n: int, cap: int) -> int:
 
 
 def grouped_view(x: jax.Array, group_size: int) -> jax.Array:
-    """``x [..., D]`` as ``[M, D / G, G]``; the Pallas kernels need ``D`` a multiple of ``G``."""
+    """``x [..., D]`` as ``[M, D / G, G]``; ``NotImplementedError`` unless ``G`` divides ``D``."""
     if x.ndim == 0:
-        raise ValueError("FP8 activation kernels need at least one axis; got a scalar")
+        raise NotImplementedError("the FP8 activation kernels need at least one axis; got a scalar")
     d = x.shape[-1]
     if d % group_size:
-        raise ValueError(
-            f"the Pallas path needs the last axis ({d}) to be a multiple of group_size "
-            f"({group_size}); use implementation='xla' for ragged groups"
+        raise NotImplementedError(
+            f"the kernels need the last axis of shape {tuple(x.shape)} to be a multiple of the "
+            f"group size {group_size} (ragged groups run on the XLA reference)"
         )
     return x.reshape(-1, d // group_size, group_size)
 
@@ -112,6 +117,7 @@ def _per_group_kernel(x_ref, q_ref, s_ref, *, fmt):
     s_ref[...] = scale
 
 
+@over_batch("b", "bb")
 def quantize_per_group_pallas(
     x: jax.Array,
     *,
@@ -120,9 +126,13 @@ def quantize_per_group_pallas(
     tiles: TileConfig = DEFAULT_TILES,
     interpret: bool = False,
 ):
-    """Pallas Triton 1xG quantization; same results as :func:`quantize_per_group_reference`."""
+    """Pallas Triton 1xG quantization; same results as :func:`quantize_per_group_reference`.
+
+    ``mesh`` (keyword, a :class:`KernelMesh`): run on each batch shard of ``x``.
+    """
     quant.fp8_format(fmt)
     x3 = grouped_view(x, quant.check_group_size(group_size))
+    require_gpu(interpret)
     m, g, gs = x3.shape
     bm, bg = tiles_for(m, g, tiles)
     codes, scale = pl.pallas_call(
@@ -152,19 +162,28 @@ def quantize_per_group(
     implementation: str = "auto",
     interpret: bool = False,
     tiles: TileConfig = DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
 ):
     """1xG absmax quantization along the last axis: ``(codes, scale [..., D / G] float32)``.
+
+    ``mesh``: the :class:`KernelMesh` ``x`` is sharded over (batch-split leading axis), or
+    ``None`` for one device.
 
     Example:
         >>> codes, scale = quantize_per_group(jnp.ones((4, 32)), implementation="xla")
         >>> codes.dtype, scale.shape
         (dtype(float8_e4m3fn), (4, 2))
     """
-    if resolve_implementation(implementation) == "xla":
-        return quantize_per_group_reference(x, group_size=group_size, fmt=fmt)
-    return quantize_per_group_pallas(
-        x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret
-    )
+    return dispatch(
+        "quantize_per_group",
+        implementation,
+        interpret=interpret,
+        mesh=mesh,
+        pallas=lambda: quantize_per_group_pallas(
+            x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
+        ),
+        xla=lambda: quantize_per_group_reference(x, group_size=group_size, fmt=fmt),
+    )[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,6 +203,7 @@ def group_amax_pallas(
     x: jax.Array, *, group_size: int = 16, tiles: TileConfig = DEFAULT_TILES, interpret=False
 ) -> jax.Array:
     x3 = grouped_view(x, quant.check_group_size(group_size))
+    require_gpu(interpret)
     m, g, gs = x3.shape
     bm, bg = tiles_for(m, g, tiles)
     amax = pl.pallas_call(
@@ -237,12 +257,38 @@ def quantize_per_tensor_pallas(
     group_size: int = 16,
     tiles: TileConfig = DEFAULT_TILES,
     interpret: bool = False,
+    mesh: KernelMesh | None = None,
+    partition: PartitionSpec | None = None,
 ):
-    """Two Pallas passes: group maxima, then the scaled cast (the scalar max runs in XLA)."""
+    """Two Pallas passes: group maxima, then the scaled cast (the scalar max runs in XLA).
+
+    With ``mesh``, ``x`` is split as ``partition`` (default: ``mesh.activation_spec``, the
+    leading axis over the batch axes; a weight takes ``mesh.param_spec(w.shape)``) and both
+    passes run per shard; the scale is the ``pmax`` of the shards' maxima over the mesh axes
+    ``partition`` splits, so it equals the unsharded scale bit for bit.
+    """
     quant.fp8_format(fmt)
-    scale = scale_from_amax(
-        group_amax_pallas(x, group_size=group_size, tiles=tiles, interpret=interpret), fmt
-    )
+    kwargs = dict(fmt=fmt, group_size=group_size, tiles=tiles, interpret=interpret)
+    if mesh is None:
+        return _per_tensor_shard(x, axes=(), **kwargs)
+    spec = mesh.activation_spec(x.shape) if partition is None else partition
+    check_spec(spec, x.shape, mesh.mesh, "quantize_per_tensor")
+    axes = spec_axes(spec)
+    return shard_map(
+        functools.partial(_per_tensor_shard, axes=axes, **kwargs),
+        mesh.mesh,
+        (spec,),
+        (spec, PartitionSpec()),
+    )(x)
+
+
+def _per_tensor_shard(x, *, fmt, group_size, tiles, interpret, axes):
+    """Per-tensor quantization of one shard; ``axes``: the mesh axes the tensor is split over."""
+    peak = jnp.max(group_amax_pallas(x, group_size=group_size, tiles=tiles, interpret=interpret))
+    if axes:
+        # A maximum is exact in any order: the global scale equals one device's bit for bit.
+        peak = jax.lax.pmax(peak, axes)
+    scale = scale_from_amax(peak, fmt)
     # The cast works on 2-D [M, D] tiles and returns codes in x's own layout: XLA's FP8 GEMM
     # rewriter wants convert(codes) right on the FP8 producer, with no reshape in between.
     m, g, gs = grouped_view(x, group_size).shape
@@ -272,16 +318,32 @@ def quantize_per_tensor(
     implementation: str = "auto",
     interpret: bool = False,
     tiles: TileConfig = DEFAULT_TILES,
+    mesh: KernelMesh | None = None,
+    partition: PartitionSpec | None = None,
 ):
     """Per-tensor quantization with a just-in-time group-scaling scale: ``(codes, scale ())``.
+
+    ``mesh``/``partition``: where ``x`` lives (see :func:`quantize_per_tensor_pallas`); the XLA
+    reference needs neither (XLA partitions its maximum itself).
 
     Example:
         >>> codes, scale = quantize_per_tensor(jnp.ones((4, 32)), implementation="xla")
         >>> float(scale) >= 1 / 448
         True
     """
-    if resolve_implementation(implementation) == "xla":
-        return quantize_per_tensor_reference(x, fmt=fmt, group_size=group_size)
-    return quantize_per_tensor_pallas(
-        x, fmt=fmt, group_size=group_size, tiles=tiles, interpret=interpret
-    )
+    return dispatch(
+        "quantize_per_tensor",
+        implementation,
+        interpret=interpret,
+        mesh=mesh,
+        pallas=lambda: quantize_per_tensor_pallas(
+            x,
+            fmt=fmt,
+            group_size=group_size,
+            tiles=tiles,
+            interpret=interpret,
+            mesh=mesh,
+            partition=partition,
+        ),
+        xla=lambda: quantize_per_tensor_reference(x, fmt=fmt, group_size=group_size),
+    )[1]

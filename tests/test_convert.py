@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from coat_jax.checkpoint_io import from_pretrained, save_pretrained
+from coat_jax.checkpoint_io import convert, from_pretrained, save_pretrained
 from coat_jax.convert import main as convert_main
 from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
 from tests.llama_reference import hf_llama, rel_err, token_ids, torch_logits
@@ -98,7 +98,7 @@ def test_cli_entry_point(bf16_checkpoint, tmp_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode != 0 and "invalid choice: 'gguf-to-hf'" in bad.stderr
+    assert bad.returncode == 2 and "not a Llama .gguf file; convert it with" in bad.stderr
 
 
 def test_every_format_loads_to_the_same_model(bf16_checkpoint, tmp_path):
@@ -197,9 +197,11 @@ def test_not_a_llama(f32_folder, tmp_path):
         from_pretrained(f32_folder, precision="int8")
 
 
-def test_conversion_direction_is_checked(f32_folder, tmp_path):
+def test_conversion_direction_is_checked(f32_folder, tmp_path, capsys):
+    assert convert_main(["jax-to-hf", str(f32_folder), str(tmp_path / "out")]) == 2
+    assert "is a Hugging Face Llama folder" in capsys.readouterr().err
     with pytest.raises(ValueError, match="converting to hf needs a coat-jax checkpoint"):
-        convert_main(["jax-to-hf", str(f32_folder), str(tmp_path / "out")])
+        convert(f32_folder, tmp_path / "out", to="hf")
 
 
 def test_byte_tokenizer():

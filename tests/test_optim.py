@@ -1,8 +1,6 @@
 """coat_adamw / scale_by_coat_adam: numerics against the float64 SPEC rendering, and composition."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -15,6 +13,7 @@ from flax import nnx
 import coat_jax
 from coat_jax import quant
 from tests import spec_reference as ref
+from tests.fake_devices import run_on_fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -446,17 +445,7 @@ def test_sharded_on_8_cpu_devices():
         print("OK", len(jax.devices()))
         """
     )
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=ROOT,
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "OK 8" in out.stdout
+    assert "OK 8" in run_on_fake_devices(code)
 
 
 # --- bad options ---------------------------------------------------------------------------

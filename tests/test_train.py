@@ -46,6 +46,7 @@ TINY = [
     "eval_batches=2",
     "checkpoint_every=1000",
     "progress_bar=false",
+    "sample_prompt=null",
 ]
 
 
@@ -126,7 +127,7 @@ def test_base_inheritance_and_overrides(tmp_path):
             "precision=fp16",
             r"precision='fp16' is not valid; choose one of \['bf16', 'fp8', 'coat'\]",
         ),
-        ("optimizer=sgd", r"choose one of \['adamw', 'coat_adamw'\]"),
+        ("optimizer=rmsprop", r"choose one of \['adamw', 'coat_adamw', 'lion'"),
         ("steps=1.5", r"steps=1.5 is not valid; expected int"),
         ("resume=yes please", r"expected bool"),
         ("learning_rate=-1", r"learning_rate must be > 0"),
@@ -241,6 +242,36 @@ def test_resume_is_bit_exact(tmp_path, cache_dir):
     assert tree_bytes(resumed.params) == tree_bytes(straight.params)
     assert tree_bytes(resumed.opt_state) == tree_bytes(straight.opt_state)
     assert resumed.val_loss == straight.val_loss
+
+
+def test_a_checkpoint_resumes_in_the_other_layer_layout(tmp_path, cache_dir):
+    # Unrolled for 4 steps, then scanned (with COAT's remat policy) to 8: the FP8 optimizer
+    # state is stacked on restore, and the run continues as the unrolled one does.
+    f32 = ("steps=8", "compute_dtype=float32")
+    straight = train(tiny(tmp_path / "straight", cache_dir, *f32))
+    train(tiny(tmp_path / "split", cache_dir, *f32), stop_at=4)
+    resumed = train(
+        tiny(
+            tmp_path / "split",
+            cache_dir,
+            *f32,
+            "resume=true",
+            "scan_layers=true",
+            "remat=activations",
+        )
+    )
+    assert resumed.step == 8
+    assert resumed.params["layers"]["self_attn"]["q_proj"].shape[0] == 2  # stacked
+    from coat_jax.llama import unstack_layers
+
+    for a, b in zip(
+        jax.tree.leaves(straight.params),
+        jax.tree.leaves(unstack_layers(resumed.params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    l1, l2 = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert all(abs(l1[s] - l2[s]) <= 1e-4 * l1[s] for s in l1)
 
 
 def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path, cache_dir):

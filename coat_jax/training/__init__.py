@@ -1,14 +1,13 @@
 """Config-driven training: ``python train.py`` is a thin front end to :func:`train`."""
 
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError
-from coat_jax.training.config import MeshConfig, ModelConfig, TrainConfig, from_dict, load_config
+from coat_jax.training.config import MeshConfig, TrainConfig, from_dict, load_config
 from coat_jax.training.loop import TrainResult, make_train_step, train
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
     "MeshConfig",
-    "ModelConfig",
     "TrainConfig",
     "TrainResult",
     "from_dict",

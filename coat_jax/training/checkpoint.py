@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,93 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+# One key of a `jax.tree_util.keystr` path of a pure dict: ['name'] or [0].
+_KEYSTR_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+
+
+def _abstract_subtree(leaves: dict[str, list], top: str) -> dict:
+    """The pure-dict tree of ShapeDtypeStructs under ``[top]`` of a ``leaf_signature``."""
+    tree: dict = {}
+    for path, (shape, dtype) in leaves.items():
+        keys = [name if name else int(index) for name, index in _KEYSTR_PART.findall(path)]
+        if not keys or keys[0] != top:
+            continue
+        if "".join(repr([k]) for k in keys) != path:
+            raise CheckpointError(f"leaf {path} under [{top!r}] is not a pure-dict path")
+        node = tree
+        for key in keys[1:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+    return tree
+
+
+def read_params(output_dir: str | Path, step: int | None = None) -> tuple[dict, dict[str, Any]]:
+    """The parameters of one checkpoint as numpy arrays, and its metadata; no optimizer needed.
+
+    Reads only the ``params`` half of the ``state`` item (Orbax partial restore), in the layout
+    it was saved in, and checks each array against its stored checksum.
+
+    Args:
+      output_dir: a training run's output directory (the one holding ``checkpoints/``).
+      step: which checkpoint; None means the newest.
+
+    Returns:
+      ``(params, meta)``: the pure-dict parameter tree and the metadata ``Checkpointer.save``
+      wrote (step, data position, seed, fingerprint, leaves, checksums).
+
+    Raises:
+      CheckpointError: no checkpoints, no such step, or a checkpoint that cannot be read.
+    """
+    directory = Path(output_dir).expanduser().resolve() / "checkpoints"
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"{str(directory)!r} does not exist; give the output_dir of a train.py run"
+        )
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    with ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(create=False)
+    ) as manager:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise CheckpointError(f"there is no checkpoint in {str(directory)!r}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(
+                f"there is no checkpoint step {step} in {str(directory)!r}; steps: {steps}"
+            )
+        where = f"checkpoint step {step} in {str(directory)!r}"
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+                "meta"
+            ]
+        except Exception as e:
+            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
+        if not isinstance(meta, dict) or not {"fingerprint", "leaves", "checksums"} <= set(meta):
+            raise CheckpointError(f"{where} has no coat_jax training metadata")
+        abstract = _abstract_subtree(meta["leaves"], "params")
+        if not abstract:
+            raise CheckpointError(f"{where} holds no parameters")
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
+        try:
+            params = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item={"params": abstract},
+                        restore_args={"params": restore_args},
+                        partial_restore=True,
+                    )
+                ),
+            )["state"]["params"]
+        except Exception as e:
+            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
+    sums = meta["checksums"]
+    bad = [k for k, v in leaf_checksums({"params": params}).items() if sums.get(k) != v]
+    if bad:
+        raise CheckpointError(
+            f"{where} is corrupt: {len(bad)} array(s) fail their checksum, e.g. state{bad[0]}"
+        )
+    return params, meta

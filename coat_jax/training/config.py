@@ -18,22 +18,26 @@ from typing import Any, Literal
 
 import yaml
 
+from coat_jax.llama import REMAT_POLICIES, LlamaConfig
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Llama architecture used when training from scratch (ignored when ``init_from`` is set)."""
-
-    vocab_size: int = 258
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 2048
+# The ``model`` section is a :class:`coat_jax.llama.LlamaConfig` (one source of truth for the
+# architecture, ``rope_scaling`` included). Keys a config leaves out take these values, the tiny
+# model of ``python train.py``, not LlamaConfig's Llama-2-7B defaults.
+DEFAULT_MODEL = {
+    "vocab_size": 258,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": None,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+}
+RematName = Literal[tuple(REMAT_POLICIES)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,19 @@ class TrainConfig:
     - ``tokenizer``: ``byte`` (UTF-8 bytes, vocabulary 258), ``init_from`` (the checkpoint's
       own) or a path that ``coat_jax.load_tokenizer`` reads.
     - ``compute_dtype``: activation dtype; master weights are always float32.
+    - ``scan_layers``: stack the decoder layers and run them with ``jax.lax.scan`` (one compiled
+      layer; MaxText's ``scan_layers``). Checkpoints of either layout resume in the other.
+    - ``remat``: rematerialization policy of the decoder layers, a name of
+      ``coat_jax.llama.REMAT_POLICIES`` (``none``, ``full``, ``attention``, ``activations``).
+    - ``fp8_attention``: keep attention's q, k, v in FP8 for backward (``Llama(fp8_attention=)``;
+      precision ``fp8`` or ``coat``).
+    - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
+      and their gradients; the optimizer still computes in float32 and each update is applied
+      with stochastic rounding (``coat_jax.master``). An option, not a default: see
+      docs/memory_options.md for its accuracy evidence.
+    - ``loss_chunk_size``: compute the cross-entropy in blocks of this many positions
+      (``coat_jax.losses.cross_entropy_from_hidden``) instead of materialising the
+      ``[batch, seq, vocab]`` float32 logits; ``null``: the plain loss.
     - ``batch_size``: sequences per microbatch across all devices; a step averages the
       gradients of ``grad_accum`` microbatches, so it sees
       ``batch_size * grad_accum * seq_len`` tokens.
@@ -78,7 +95,12 @@ class TrainConfig:
     precision: Literal["bf16", "fp8", "coat"] = "coat"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     init_from: str | None = None
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(**DEFAULT_MODEL))
+    scan_layers: bool = False
+    remat: RematName = "none"
+    fp8_attention: bool = False
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    loss_chunk_size: int | None = None
     # Data.
     data_path: str = "data/public_domain_en.tar.xz"
     tokenizer: str = "byte"
@@ -88,7 +110,14 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1
     # Optimizer.
-    optimizer: Literal["adamw", "coat_adamw"] = "coat_adamw"
+    # adamw, lion, sgd, adafactor, muon: optax's (coat_jax.training.optimizers documents how
+    # each uses the keys below); coat_adamw: COAT's fused FP8 AdamW. fp8_state: store the optax
+    # optimizer's parameter-shaped state in FP8 (coat_jax.fp8_state), mu_format for signed
+    # state (momenta) and nu_format for non-negative state (second moments). momentum: sgd's
+    # momentum and muon's decay.
+    optimizer: Literal["adamw", "coat_adamw", "lion", "sgd", "adafactor", "muon"] = "coat_adamw"
+    fp8_state: bool = False
+    momentum: float = 0.9
     learning_rate: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -107,6 +136,9 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     progress_bar: bool = True
+    tensorboard: bool = False
+    sample_prompt: str | None = "It is a truth"
+    sample_tokens: int = 64
     compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
@@ -122,7 +154,13 @@ class TrainConfig:
             "eval_batches",
             "checkpoint_every",
             "keep_checkpoints",
+            "sample_tokens",
         )
+        if self.loss_chunk_size is not None and self.loss_chunk_size <= 0:
+            raise ValueError(
+                f"loss_chunk_size must be a positive integer or null (plain loss), got "
+                f"{self.loss_chunk_size}"
+            )
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -135,9 +173,14 @@ class TrainConfig:
             raise ValueError(f"grad_clip must be > 0 or null (off), got {self.grad_clip}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("b1", "b2"):
+        for name in ("b1", "b2", "momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.fp8_state and self.optimizer == "coat_adamw":
+            raise ValueError(
+                "fp8_state=true wraps an optax optimizer, but coat_adamw already keeps FP8 "
+                "moments; use optimizer=adamw fp8_state=true, or fp8_state=false"
+            )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
         for name in ("data", "fsdp"):
@@ -241,14 +284,19 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
         raise ValueError(
             f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; valid keys: {valid}"
         )
-    kwargs = {}
+    kwargs = dict(DEFAULT_MODEL) if cls is LlamaConfig else {}
     for name, value in raw.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(prefix + name, hint, value)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if cls is TrainConfig:
+            raise
+        raise ValueError(f"{prefix.rstrip('.')}: {e}") from e
 
 
 def _coerce(key: str, hint, value):
@@ -265,6 +313,12 @@ def _coerce(key: str, hint, value):
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(key, inner, value)
+    if dataclasses.is_dataclass(hint):
+        # An optional nested setting such as model.rope_scaling: a mapping the dataclass's owner
+        # converts and validates (LlamaConfig reads Hugging Face's rope_scaling dict).
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key}={value!r} is not valid; expected a mapping or null")
+        return dict(value)
     if hint is float and isinstance(value, str):
         # PyYAML reads "1e-3" (no dot) as a string: YAML 1.1 wants "1.0e-3". Accept both.
         try:

@@ -26,9 +26,26 @@ def host_peak_rss_bytes() -> int:
 
 
 class MetricsLog:
-    """Appends one JSON object per line; on resume drops lines logged after the checkpoint."""
+    """Appends one JSON object per line; on resume drops lines logged after the checkpoint.
 
-    def __init__(self, path: Path, *, resume_step: int | None):
+    With ``tensorboard_dir`` every record also goes to TensorBoard (through ``tensorboardX``,
+    ``pip install 'coat-jax[tensorboard]'``): each number of a record becomes a scalar of the
+    same name at the record's ``step``, so TensorBoard shows exactly what metrics.jsonl holds.
+    On resume, events after the checkpoint's step are purged there too.
+
+    Example:
+      >>> log = MetricsLog(Path("run/metrics.jsonl"), resume_step=None, tensorboard_dir="run/tb")
+      >>> log.write({"step": 1, "loss": 5.5})
+      >>> log.close()
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        resume_step: int | None,
+        tensorboard_dir: str | os.PathLike | None = None,
+    ):
         self.path = path
         if resume_step is None:
             self.path.write_text("")
@@ -37,15 +54,40 @@ class MetricsLog:
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
+        self._tensorboard = None
+        if tensorboard_dir is not None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as e:
+                raise ValueError(
+                    f"TensorBoard logging to {str(tensorboard_dir)!r} needs tensorboardX; "
+                    "pip install 'coat-jax[tensorboard]' or turn TensorBoard logging off"
+                ) from e
+            purge = None if resume_step is None else resume_step + 1
+            self._tensorboard = SummaryWriter(
+                os.fspath(Path(tensorboard_dir).expanduser()), purge_step=purge
+            )
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, global_step=step)
+            # A run killed between records still shows everything it logged.
+            self._tensorboard.flush()
 
     def read(self) -> list[dict]:
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 def plot_loss_curve(records: list[dict], path: Path, title: str) -> None:

@@ -51,9 +51,28 @@ def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
     return PartitionSpec(*[("fsdp" if i == axis else None) for i in range(len(shape))])
 
 
+def _is_stacked_layer(path) -> bool:
+    """A leaf of the scanned layout's ``layers`` (leading axis: the layer index)."""
+    keys = [getattr(k, "key", None) for k in path]
+    return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)
+
+
+def param_spec(path, shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
+    """:func:`fsdp_spec`, except that a stacked layer axis is never split.
+
+    A scan takes one layer per iteration; splitting the layer axis would put whole layers on
+    single devices instead of splitting every layer's weights across the ``fsdp`` axis.
+    """
+    if _is_stacked_layer(path) and shape:
+        return PartitionSpec(None, *fsdp_spec(shape[1:], fsdp_size))
+    return fsdp_spec(shape, fsdp_size)
+
+
 def param_shardings(abstract_params, mesh: Mesh):
     fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda p: NamedSharding(mesh, fsdp_spec(p.shape, fsdp)), abstract_params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: NamedSharding(mesh, param_spec(path, p.shape, fsdp)), abstract_params
+    )
 
 
 def _follow(spec: PartitionSpec, param_shape, leaf_shape, mesh: Mesh) -> PartitionSpec:
@@ -81,9 +100,11 @@ def state_shardings(abstract_opt_state, abstract_params, mesh: Mesh):
 
     def shard(path, leaf):
         for n in range(min(longest, len(path)), 0, -1):
-            param = by_path.get(tuple(path[-n:]))
+            param_path = tuple(path[-n:])
+            param = by_path.get(param_path)
             if param is not None:
-                spec = _follow(fsdp_spec(param.shape, fsdp), param.shape, leaf.shape, mesh)
+                spec = param_spec(param_path, param.shape, fsdp)
+                spec = _follow(spec, param.shape, leaf.shape, mesh)
                 return NamedSharding(mesh, spec)
         return NamedSharding(mesh, PartitionSpec())
 

@@ -1,0 +1,177 @@
+"""Final validation loss of the default tiny Llama with each optimizer, float32 vs FP8 state.
+
+Trains what ``python train.py`` trains (configs/default.yaml: the tiny Llama in COAT mode on the
+bundled corpus) once per optimizer with ``fp8_state=false`` and once with ``fp8_state=true``,
+through the trainer's Python API, and prints a Markdown table (and writes it, with the raw
+numbers, under ``--out``). docs/fp8_state.md holds a measured table.
+
+  python benchmarks/fp8_state_accuracy.py                       # every optimizer, 600 steps
+  python benchmarks/fp8_state_accuracy.py --steps 300 --optimizers lion sgd
+  python benchmarks/fp8_state_accuracy.py --state-bytes   # bytes/parameter, Llama-2-7B tree
+
+Learning rates: AdamW's default 3e-3 for adamw, adafactor and muon (whose consistent-RMS
+scaling is meant to share AdamW's learning rate); lion takes a tenth of it (its sign updates are
+larger than Adam's, Chen et al. 2023 use 3-10x less), sgd a larger one (its updates are the raw
+clipped gradient). ``--lr name=value`` overrides one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from coat_jax import quant  # noqa: E402
+from coat_jax.fp8_wrapper import quantized_paths  # noqa: E402
+from coat_jax.llama import Llama, LlamaConfig  # noqa: E402
+from coat_jax.training import load_config, loop, optimizers, train  # noqa: E402
+
+OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "muon")
+LEARNING_RATES = {"adamw": 3e-3, "lion": 3e-4, "sgd": 0.3, "adafactor": 3e-3, "muon": 3e-3}
+
+
+def _use_new_make_optimizer() -> None:
+    """Temporary, until loop.py imports make_optimizer from coat_jax.training.optimizers.
+
+    The trainer's own make_optimizer only knows adamw and coat_adamw; once loop.py takes the one
+    from optimizers.py (the same function object) this does nothing.
+    """
+    if loop.make_optimizer is not optimizers.make_optimizer:
+        loop.make_optimizer = optimizers.make_optimizer
+
+
+def run(optimizer: str, fp8: bool, *, steps: int, lr: float, out: Path, extra) -> dict:
+    name = f"{optimizer}_{'fp8' if fp8 else 'f32'}"
+    cfg = load_config(
+        REPO / "configs" / "default.yaml",
+        [
+            f"optimizer={optimizer}",
+            f"fp8_state={str(fp8).lower()}",
+            f"learning_rate={lr}",
+            f"steps={steps}",
+            f"warmup_steps={min(50, steps // 10)}",
+            f"output_dir={out / name}",
+            f"eval_every={steps + 1}",
+            f"checkpoint_every={steps + 1}",
+            "keep_checkpoints=1",
+            "progress_bar=false",
+            *extra,
+        ],
+    )
+    start = time.perf_counter()
+    result = train(cfg, say=lambda *_: None)
+    return {
+        "optimizer": optimizer,
+        "fp8_state": fp8,
+        "learning_rate": lr,
+        "steps": steps,
+        "val_loss": result.val_loss,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def state_bytes_table() -> str:
+    """State bytes per parameter of every trainer optimizer on the Llama-2-7B parameter tree,
+    from ``jax.eval_shape(tx.init, params)`` (no array is allocated)."""
+    model = nnx.eval_shape(
+        lambda: Llama(
+            LlamaConfig(), precision="coat", param_dtype=jax.numpy.float32, rngs=nnx.Rngs(0)
+        )
+    )
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    n = sum(p.size for p in jax.tree.leaves(params))
+    base = load_config(REPO / "configs" / "default.yaml")
+    lines = [
+        f"Llama-2-7B parameter tree ({n / 1e9:.3f}B parameters), configs/default.yaml otherwise",
+        "",
+        "| optimizer | float32 state | FP8 state | ratio | FP8 leaves |",
+        "|---|---|---|---|---|",
+    ]
+    for opt in OPTIMIZERS:
+        per = {}
+        for fp8 in (False, True):
+            cfg = dataclasses.replace(base, optimizer=opt, fp8_state=fp8)
+            state = jax.eval_shape(
+                optimizers.make_optimizer(cfg, loop.make_schedule(cfg)).init, params
+            )
+            per[fp8] = (quant.state_bytes(state) / n, len(quantized_paths(state)) if fp8 else 0)
+        lines.append(
+            f"| {opt} | {per[False][0]:.4f} | {per[True][0]:.4f} | "
+            f"{per[False][0] / per[True][0]:.2f}x | {per[True][1]} |"
+        )
+    cfg = dataclasses.replace(base, optimizer="coat_adamw")
+    state = jax.eval_shape(optimizers.make_optimizer(cfg, loop.make_schedule(cfg)).init, params)
+    lines.append(f"| coat_adamw (fused) | | {quant.state_bytes(state) / n:.4f} | | |")
+    return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> str:
+    by = {(r["optimizer"], r["fp8_state"]): r for r in rows}
+    lines = [
+        "| optimizer | learning rate | float32 state | FP8 state | FP8 - float32 |",
+        "|---|---|---|---|---|",
+    ]
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        f32, fp8 = by.get((opt, False)), by.get((opt, True))
+        if f32 is None or fp8 is None:
+            continue
+        rel = (fp8["val_loss"] - f32["val_loss"]) / f32["val_loss"]
+        lines.append(
+            f"| {opt} | {f32['learning_rate']:g} | {f32['val_loss']:.4f} | {fp8['val_loss']:.4f} "
+            f"| {100 * rel:+.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--lr", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--out", default="runs/fp8_state_accuracy")
+    parser.add_argument(
+        "--state-bytes", action="store_true", help="print the state-bytes table and exit"
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    if args.state_bytes:
+        print(state_bytes_table())
+        return 0
+    lrs = dict(LEARNING_RATES)
+    for item in args.lr:
+        name, _, value = item.partition("=")
+        if name not in lrs or not value:
+            parser.error(f"--lr {item!r}: expected NAME=VALUE with NAME in {list(lrs)}")
+        lrs[name] = float(value)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        parser.error(f"--out {str(out)!r} is not empty; choose a new directory")
+    _use_new_make_optimizer()
+    rows = []
+    for opt in args.optimizers:
+        for fp8 in (False, True):
+            row = run(opt, fp8, steps=args.steps, lr=lrs[opt], out=out, extra=args.overrides)
+            if not math.isfinite(row["val_loss"]):
+                raise FloatingPointError(f"{opt} fp8_state={fp8}: validation loss {row}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    text = table(rows)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""FP8 optimizer state for any Optax optimizer: COAT's storage, applied as a wrapper.
+
+``fp8_state(inner)`` is an ``optax.GradientTransformation`` that runs ``inner`` unchanged but
+keeps the parameter-shaped floating leaves of its state in FP8 between steps: each step
+dequantizes them to float32, calls ``inner.update`` and re-quantizes the new state, each leaf on
+its own, with coat_jax.quant's per-group codecs (Dynamic Range Expansion or plain absmax, SPEC
+section 2). ``fp8_state(optax.adamw(...))`` is therefore the same algorithm as
+:func:`coat_jax.coat_adamw` (its ``implementation="xla"`` path), and the same storage serves
+``optax.lion``, ``optax.sgd(momentum=...)``, ``optax.adafactor``, ``optax.contrib.muon`` and the
+rest.
+
+Which state leaves are quantized (the rule is static: it only looks at structure, shapes and
+dtypes, never at values, so ``jax.eval_shape(init)`` gives the same layout):
+
+1. The leaf belongs to a parameter: the parameter's full key path ends the leaf's key path (the
+   rule ``coat_jax.training.sharding.state_shardings`` also uses; optax states mirror the
+   parameters this way), the longest such parameter when several match.
+2. It has that parameter's shape, at least one axis and at least one element, and a floating
+   dtype; and ``mask`` selects the parameter.
+
+Everything else is kept exactly as ``inner`` made it: step counts, scalars and hyper-parameters,
+factored statistics (adafactor's ``v_row``/``v_col`` of a factored matrix), leaves whose shape
+differs from the parameter's, integer leaves, masked-out parameters. :func:`quantized_paths` and
+:func:`full_precision_paths` list the two sets for a given state.
+
+Signed and non-negative leaves: a quantized leaf is *non-negative* when the name of the state
+field holding it (the last ``NamedTuple`` field name or string dict key on its path before the
+parameter's own path) is in ``nonnegative_fields`` (:data:`NONNEGATIVE_FIELDS` by default: the
+second moments and squared-gradient accumulators of optax's states, e.g. adam's ``nu``,
+adafactor's ``v``), and *signed* otherwise (momenta: adam's ``mu``, lion's ``mu``, sgd's
+``trace``, muon's ``mu``). The role picks the leaf's FP8 format and whether it uses expansion
+(``formats`` and ``expansion``). Both codecs keep each value's sign, so a leaf in the wrong role
+is still stored correctly, only in the other role's format.
+
+State layout (:class:`FP8State`): ``inner_state`` is ``inner``'s state with every quantized leaf
+replaced by its FP8 codes (the parameter's shape); ``scale``, ``expand`` and ``center`` have the
+same structure, holding the float32 per-group statistics (shape
+``param.shape[:-1] + (ceil(n / group_size),)``) at quantized leaves and ``optax.MaskedNode()``
+elsewhere (``expand``/``center`` also where expansion is off). Every leaf therefore sits at a key
+path ending in its parameter's key path, with its parameter's rank, so the trainer shards it like
+the parameter. A quantized leaf costs 1 byte per element plus 12 bytes per group of 128 with
+expansion (1.09 bytes per parameter), 4 bytes per group without (1.03).
+
+The dequantized leaves ``inner.update`` sees are float32 whatever dtype ``inner.init`` gave them
+(a ``mu_dtype=bfloat16`` momentum is read back as float32 and stored as FP8 either way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from coat_jax import quant
+from coat_jax.optim import _replicated_like, _stat_sharding, _unbox
+
+ROLES = ("signed", "nonnegative")
+
+# Second moments and squared-gradient accumulators in optax's states: adam/adamw/amsgrad/yogi/
+# rms/belief/rstddev ``nu`` (and amsgrad's ``nu_max``), adafactor's ``v``, ``v_row``, ``v_col``,
+# adagrad/rss's ``sum_of_squares``, adadelta's ``e_g`` and ``e_x``.
+NONNEGATIVE_FIELDS: frozenset[str] = frozenset(
+    {"nu", "nu_max", "v", "v_row", "v_col", "sum_of_squares", "e_g", "e_x"}
+)
+
+
+class FP8State(NamedTuple):
+    """State of :func:`fp8_state`: the inner state with FP8 codes, plus per-group statistics."""
+
+    inner_state: Any
+    scale: Any
+    expand: Any
+    center: Any
+
+
+class _Codec(NamedTuple):
+    fmt: str
+    expansion: bool
+
+
+class _Leaf(NamedTuple):
+    """One inner-state leaf in stored form (statistics are MaskedNode where not quantized)."""
+
+    codes: Any
+    scale: Any
+    expand: Any
+    center: Any
+
+
+def _per_role(name: str, value, check) -> dict[str, Any]:
+    """``value`` for both roles, or a mapping ``{role: value}`` (missing roles: the default)."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(ROLES))
+        if unknown:
+            raise ValueError(
+                f"{name} has unknown role(s) {unknown}; valid keys are {list(ROLES)} "
+                "(or pass one value for both)"
+            )
+        return {role: check(value[role]) if role in value else None for role in ROLES}
+    value = check(value)
+    return dict.fromkeys(ROLES, value)
+
+
+def _check_format(fmt) -> str:
+    if fmt not in quant.FORMATS:
+        raise ValueError(f"unknown FP8 format {fmt!r} in formats; valid: {sorted(quant.FORMATS)}")
+    return fmt
+
+
+def _check_expansion(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expansion must be True or False (or a role mapping), got {value!r}")
+    return value
+
+
+def _field_name(prefix) -> str | None:
+    """The state field a leaf sits in: the last NamedTuple field or string dict key."""
+    for key in reversed(prefix):
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            return key.name
+        if isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, str):
+            return key.key
+    return None
+
+
+def _is_floating(leaf) -> bool:
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def _params_by_path(params, mask) -> dict[tuple, tuple[Any, bool]]:
+    """``{param key path: (param, wanted)}`` with ``wanted`` from the optax-style ``mask``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if mask is None:
+        wanted = [True] * len(flat)
+    else:
+        mask_tree = mask(params) if callable(mask) else mask
+        try:
+            wanted = treedef.flatten_up_to(mask_tree)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "mask must be a tree of bools with the parameters' structure (or a callable "
+                f"returning one); it does not match the parameters: {e}"
+            ) from None
+    return {tuple(path): (p, bool(w)) for (path, p), w in zip(flat, wanted, strict=True)}
+
+
+def _owner(path, by_path, longest) -> tuple[Any, bool, int]:
+    """``(param, wanted, n)``: the parameter whose full key path (of length ``n``) ends
+    ``path``, the longest such; ``(None, False, 0)`` when there is none."""
+    for n in range(min(longest, len(path)), -1, -1):
+        found = by_path.get(tuple(path[len(path) - n :]))
+        if found is not None:
+            return (*found, n)
+    return None, False, 0
+
+
+def _place(x, sharding):
+    # Tracers (jit, eval_shape) carry no placement; concrete arrays go where their parameter is.
+    if sharding is None or not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return x
+    return jax.device_put(x, sharding)
+
+
+def _quantize(x, codec: _Codec, group_size: int, expand_min) -> _Leaf:
+    if codec.expansion:
+        q = quant.quantize_dre(x, group_size=group_size, fmt=codec.fmt, expand_min=expand_min)
+        return _Leaf(q.codes, q.scale, q.expand, q.center)
+    q = quant.quantize_absmax(x, group_size=group_size, fmt=codec.fmt)
+    return _Leaf(q.codes, q.scale, optax.MaskedNode(), optax.MaskedNode())
+
+
+def _dequantize(codes, scale, expand, center, group_size: int):
+    if isinstance(scale, optax.MaskedNode):
+        return codes
+    if isinstance(expand, optax.MaskedNode):
+        return quant.dequantize_absmax(codes, scale, group_size=group_size)
+    return quant.dequantize_dre(codes, scale, expand, center, group_size=group_size)
+
+
+def _split(leaves) -> FP8State:
+    def field(i):
+        return jax.tree.map(lambda leaf: leaf[i], leaves, is_leaf=lambda x: isinstance(x, _Leaf))
+
+    return FP8State(*(field(i) for i in range(4)))
+
+
+def fp8_state(
+    inner: optax.GradientTransformation,
+    *,
+    formats: str | Mapping[str, str] = "e4m3",
+    group_size: int = 128,
+    expansion: bool | Mapping[str, bool] = True,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    expand_min: int = 16,
+    nonnegative_fields: Collection[str] = NONNEGATIVE_FIELDS,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Wraps any Optax optimizer so that its parameter-shaped state is stored in FP8 (COAT).
+
+    Each step, for every quantized state leaf ``s`` (see the module docstring for which)::
+
+        s = dequantize(codes, statistics)                 # float32
+        updates, s_new = inner.update(grads, s, params)
+        codes, statistics = quantize(s_new)               # per group of ``group_size`` values
+
+    with Dynamic Range Expansion (COAT) or per-group absmax scaling (SPEC section 2).
+    ``fp8_state(optax.adamw(lr, ...))`` is COAT AdamW: with the defaults it stores and updates
+    exactly what :func:`coat_jax.coat_adamw` does.
+
+    Args:
+      inner: the optimizer whose state is stored in FP8.
+      formats: FP8 format of the quantized leaves, ``"e4m3"`` or ``"e5m2"``: one for all, or
+        ``{"signed": ..., "nonnegative": ...}`` (a missing role gets ``"e4m3"``). COAT uses E4M3
+        for both moments; E5M2 for the second moment is the other recommended pair.
+      group_size: values per quantization group along the last axis (static: it fixes the
+        state's shapes).
+      expansion: Dynamic Range Expansion on (COAT) or off (absmax): one for all, or
+        ``{"signed": ..., "nonnegative": ...}`` (a missing role gets ``True``).
+      mask: which parameters' state is quantized, in optax's ``MaskOrFn`` convention (a tree
+        of bools like the parameters, or a function of the parameters returning one).
+        ``None``: all of them.
+      expand_min: DRE's exponent is a multiple of ``1 / expand_min``.
+      nonnegative_fields: state field names whose leaves are non-negative (second moments);
+        every other quantized leaf is signed. Default :data:`NONNEGATIVE_FIELDS`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is an :class:`FP8State`
+      (extra arguments of ``update`` are passed on to ``inner``).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, coat_jax
+      >>> tx = coat_jax.fp8_state(optax.lion(1e-4))
+      >>> params = {"w": jnp.ones((4, 256))}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.full((4, 256), 0.5)}, state, params)
+      >>> coat_jax.quantized_paths(state)
+      [".inner_state[0].mu['w']"]
+
+    References:
+      Xi et al., "COAT: Compressing Optimizer States and Activation for Memory-Efficient FP8
+      Training", ICLR 2025, arXiv:2410.19313.
+    """
+    if not isinstance(inner, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
+        raise ValueError(
+            f"inner must be an optax.GradientTransformation (e.g. optax.adamw(1e-3)), got "
+            f"{type(inner).__name__}"
+        )
+    inner = optax.with_extra_args_support(inner)
+    group_size = quant.check_group_size(group_size)
+    if isinstance(expand_min, bool) or not isinstance(expand_min, int | float) or expand_min <= 0:
+        raise ValueError(f"expand_min must be a positive number, got {expand_min!r}")
+    fmts = _per_role("formats", formats, _check_format)
+    expands = _per_role("expansion", expansion, _check_expansion)
+    codecs = {
+        role: _Codec(fmts[role] or "e4m3", True if expands[role] is None else expands[role])
+        for role in ROLES
+    }
+    if isinstance(nonnegative_fields, str) or not all(
+        isinstance(f, str) for f in nonnegative_fields
+    ):
+        raise ValueError(
+            "nonnegative_fields must be a collection of state field names (e.g. {'nu', 'v'}), "
+            f"got {nonnegative_fields!r}"
+        )
+    nonnegative = frozenset(nonnegative_fields)
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        by_path = _params_by_path(params, mask)
+        longest = max((len(k) for k in by_path), default=0)
+        # Where jit puts the leaves kept as they are (counts, ...) after an update: on the
+        # parameters' mesh, replicated. Placing them there now keeps every leaf's sharding fixed.
+        replicated = _replicated_like(jax.tree.leaves(params))
+
+        def store(path, leaf):
+            param, wanted, n = _owner(path, by_path, longest)
+            if (
+                not wanted
+                or not _is_floating(leaf)
+                or leaf.shape != param.shape
+                or leaf.ndim == 0
+                or leaf.size == 0
+            ):
+                if param is not None and getattr(leaf, "shape", None) == param.shape:
+                    sharding = getattr(param, "sharding", None)
+                else:
+                    sharding = replicated
+                return _Leaf(
+                    _place(leaf, sharding),
+                    optax.MaskedNode(),
+                    optax.MaskedNode(),
+                    optax.MaskedNode(),
+                )
+            field = _field_name(path[: len(path) - n])
+            codec = codecs["nonnegative" if field in nonnegative else "signed"]
+            q = _quantize(leaf, codec, group_size, expand_min)
+            stat_sharding = _stat_sharding(param, q.scale.shape)
+            return _Leaf(
+                _place(q.codes, getattr(param, "sharding", None)),
+                *(
+                    s if isinstance(s, optax.MaskedNode) else _place(s, stat_sharding)
+                    for s in q[1:]
+                ),
+            )
+
+        return _split(jax.tree_util.tree_map_with_path(store, inner_state))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        def load(codes, scale, expand, center):
+            return _dequantize(codes, scale, expand, center, group_size)
+
+        inner_state = jax.tree.map(load, state.inner_state, state.scale, state.expand, state.center)
+        updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
+
+        def store(new, codes, scale, expand):
+            if isinstance(scale, optax.MaskedNode):
+                return _Leaf(new, optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode())
+            codec = _Codec(quant.format_of(codes.dtype), not isinstance(expand, optax.MaskedNode))
+            return _quantize(new, codec, group_size, expand_min)
+
+        try:
+            stored = jax.tree.map(store, new_inner, state.inner_state, state.scale, state.expand)
+        except ValueError as e:
+            raise ValueError(
+                "inner.update returned a state whose structure differs from its init state; "
+                f"fp8_state needs the inner optimizer's state structure to be fixed: {e}"
+            ) from None
+        return updates, _split(stored)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def find_fp8_states(opt_state) -> list[tuple[str, FP8State]]:
+    """Every :class:`FP8State` inside an optimizer state, with its key path (chains, wrappers,
+    ``nnx.Optimizer.opt_state``)."""
+    is_state = lambda x: isinstance(x, FP8State)
+    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_state)
+    return [
+        (
+            jax.tree_util.keystr(path),
+            jax.tree.map(_unbox, s, is_leaf=lambda x: hasattr(x, "get_value")),
+        )
+        for path, s in flat
+        if is_state(s)
+    ]
+
+
+def _leaf_paths(opt_state, quantized: bool) -> list[str]:
+    found = find_fp8_states(opt_state)
+    if not found:
+        raise ValueError("opt_state holds no FP8State; build the optimizer with fp8_state(...)")
+    paths = []
+    for prefix, state in found:
+        flat, _ = jax.tree_util.tree_flatten_with_path(state.inner_state)
+        scales = jax.tree_util.tree_structure(state.inner_state).flatten_up_to(state.scale)
+        for (path, leaf), scale in zip(flat, scales, strict=True):
+            held = not isinstance(scale, optax.MaskedNode)
+            if held == quantized and (quantized or _is_floating(leaf)):
+                paths.append(f"{prefix}.inner_state{jax.tree_util.keystr(path)}")
+    return paths
+
+
+def quantized_paths(opt_state) -> list[str]:
+    """Key paths (``jax.tree_util.keystr``, within ``opt_state``) of the state leaves in FP8.
+
+    Works on concrete states and on ``jax.eval_shape(tx.init, params)``.
+    """
+    return _leaf_paths(opt_state, quantized=True)
+
+
+def full_precision_paths(opt_state) -> list[str]:
+    """Key paths of the floating state leaves :func:`fp8_state` keeps as they are (see the
+    module docstring for the rule), e.g. factored statistics or masked-out parameters."""
+    return _leaf_paths(opt_state, quantized=False)
+
+
+def dequantized_state(opt_state, *, group_size: int = 128):
+    """The inner optimizer's state with its FP8 leaves read back as float32.
+
+    For diagnostics and tests. ``opt_state`` must hold exactly one :class:`FP8State`, built with
+    this ``group_size``.
+    """
+    found = find_fp8_states(opt_state)
+    if len(found) != 1:
+        raise ValueError(f"expected exactly one FP8State in opt_state, found {len(found)}")
+    ((_, state),) = found
+    group_size = quant.check_group_size(group_size)
+    return jax.tree.map(
+        lambda c, s, e, m: _dequantize(c, s, e, m, group_size),
+        state.inner_state,
+        state.scale,
+        state.expand,
+        state.center,
+    )

@@ -1,0 +1,154 @@
+"""`train.py --help`: every config key with its type, default and meaning, read from the config.
+
+The keys, types and defaults come from the :class:`~coat_jax.training.config.TrainConfig`
+dataclasses at run time (``dataclasses.fields``), so the help never lists a key that does not
+exist nor misses one that does. Meanings come from a field's ``metadata["help"]`` where it has
+one, else from :data:`DESCRIPTIONS`; a key in neither says "(no description)", which
+``tests/test_cli.py`` refuses for every key of the shipped config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+NO_DESCRIPTION = "(no description)"
+
+# One line per key, by its dotted name.
+DESCRIPTIONS = {
+    # Run.
+    "steps": "optimizer steps of the whole run (a resumed run stops at the same total)",
+    "output_dir": "where checkpoints, metrics.jsonl, config.yaml and loss_curve.png go",
+    "resume": "continue from the newest checkpoint in output_dir (else such a dir is refused)",
+    "seed": "seed of the initialization and of the data order",
+    # Model.
+    "precision": "bf16: plain ops; fp8: FP8 linear layers; coat: COAT's full FP8 flow",
+    "compute_dtype": "dtype of activations and attention",
+    "fp8_attention": "keep attention's q, k, v in FP8 for backward (fp8 and coat precision)",
+    "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
+    "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
+    "init_from": "HF/coat-jax folder or .gguf to start from (pkg:PACKAGE/FILE looks in a package)",
+    "model.vocab_size": "vocabulary size (at least the tokenizer's)",
+    "model.hidden_size": "width of the residual stream",
+    "model.intermediate_size": "width of the SwiGLU MLP",
+    "model.num_hidden_layers": "number of decoder layers",
+    "model.num_attention_heads": "query heads",
+    "model.num_key_value_heads": "key/value heads (grouped-query attention; null: as many as query)",
+    "model.head_dim": "width of one head (null: hidden_size / num_attention_heads)",
+    "model.rope_theta": "RoPE base frequency",
+    "model.rope_scaling": "RoPE frequency scaling, as HF's rope_scaling dict (linear or llama3)",
+    "model.rms_norm_eps": "epsilon of the RMSNorms",
+    "model.tie_word_embeddings": "use the embedding matrix as the LM head too",
+    "model.max_position_embeddings": "longest sequence the model is meant for (HF config field)",
+    "scan_layers": "stack the decoder layers and run them with lax.scan (one compiled layer)",
+    "remat": "rematerialization policy of the decoder layers (coat_jax.llama.REMAT_POLICIES)",
+    # Data.
+    "data_path": "a .txt file, a folder of .txt/.md files or a tar archive of them",
+    "tokenizer": "byte (UTF-8 bytes, 258 ids), init_from (its checkpoint's) or a tokenizer path",
+    "cache_dir": "where tokenized data is cached (keyed by corpus and tokenizer)",
+    "val_fraction": "share of each document's tokens held out for validation",
+    "seq_len": "tokens per training sequence",
+    "batch_size": "sequences per microbatch, across all devices",
+    "grad_accum": "microbatches averaged into one optimizer step",
+    # Optimizer.
+    "optimizer": "coat_adamw: COAT's FP8 AdamW; the others are optax's",
+    "fp8_state": "keep an optax optimizer's parameter-shaped state in FP8 (coat_jax.fp8_state)",
+    "momentum": "sgd's momentum and muon's decay",
+    "learning_rate": "peak learning rate, reached after warmup",
+    "min_lr_ratio": "the cosine schedule ends at learning_rate * min_lr_ratio",
+    "warmup_steps": "steps of linear warmup from learning_rate / warmup_steps",
+    "grad_clip": "global-norm gradient clipping threshold (null: off)",
+    "weight_decay": "decoupled weight decay (AdamW's)",
+    "decay_norms_and_embeddings": "also decay norms and the embedding (default: matrices only)",
+    "b1": "decay of the first moment",
+    "b2": "decay of the second moment",
+    "eps": "added to the second moment's square root",
+    "mu_format": "FP8 format of the first moment / signed optimizer state",
+    "nu_format": "FP8 format of the second moment / non-negative optimizer state",
+    # Bookkeeping.
+    "log_every": "steps between metrics.jsonl records (each averages the losses since the last)",
+    "eval_every": "steps between validation losses",
+    "eval_batches": "batches per validation loss",
+    "checkpoint_every": "steps between checkpoints (one is also written at the end and on signals)",
+    "keep_checkpoints": "how many recent checkpoints to keep",
+    "progress_bar": "show a tqdm progress bar (false: plain log lines)",
+    "tensorboard": "write metrics.jsonl's records to <output_dir>/tensorboard too (needs tensorboardX)",
+    "sample_prompt": "prompt of the short sample printed at the end of a run (null: no sample)",
+    "sample_tokens": "tokens the end-of-run sample generates",
+    "compilation_cache_dir": "JAX's persistent compilation cache (null: off)",
+    "mesh.data": "data-parallel size (-1: all remaining devices)",
+    "mesh.fsdp": "parameter-sharding (FSDP) size (-1: all remaining devices)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDoc:
+    """One config key as `--help` lists it."""
+
+    name: str
+    type: str
+    default: Any
+    meaning: str
+
+
+def type_name(hint) -> str:
+    """A short name of a field type: ``int``, ``bool``, ``str or null``, ``bf16|fp8|coat``."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "|".join(str(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        name = " or ".join(type_name(a) for a in args)
+        return f"{name} or null" if len(args) < len(typing.get_args(hint)) else name
+    if dataclasses.is_dataclass(hint):
+        return "mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _described(field: dataclasses.Field, name: str) -> str:
+    return field.metadata.get("help") or DESCRIPTIONS.get(name, NO_DESCRIPTION)
+
+
+def config_keys(cls=None, instance=None, prefix: str = "") -> list[KeyDoc]:
+    """Every key of `cls` (default `TrainConfig`), sections expanded, in declaration order.
+
+    Defaults are read from `instance` (default `cls()`), so nested sections show the values
+    their default factories give.
+    """
+    if cls is None:
+        from coat_jax.training.config import TrainConfig
+
+        cls = TrainConfig
+    instance = cls() if instance is None else instance
+    hints = typing.get_type_hints(cls)
+    docs = []
+    for field in dataclasses.fields(cls):
+        name, hint = prefix + field.name, hints[field.name]
+        value = getattr(instance, field.name)
+        if dataclasses.is_dataclass(hint):
+            docs += config_keys(hint, value, f"{name}.")
+            continue
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        docs.append(KeyDoc(name, type_name(hint), value, _described(field, name)))
+    return docs
+
+
+def _yaml_value(value) -> str:
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...")
+    )
+
+
+def config_help() -> str:
+    """The `train.py --help` table of config keys: name, type, default, meaning."""
+    docs = config_keys()
+    width = max(len(d.name) for d in docs)
+    lines = ["config keys (set in the YAML file or as key=value; type, default: meaning):"]
+    for d in docs:
+        lines.append(f"  {d.name:<{width}}  {d.type}, {_yaml_value(d.default)}: {d.meaning}")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""The trainer's optimizers: ``make_optimizer(cfg, schedule)`` and the weight-decay mask.
+
+``optimizer`` picks the algorithm; ``fp8_state: true`` wraps it in :func:`coat_jax.fp8_state`,
+which stores its parameter-shaped state in FP8 (``mu_format`` for signed state such as momenta,
+``nu_format`` for non-negative state such as second moments). ``coat_adamw`` is COAT's own AdamW
+with the fused FP8 step; ``adamw`` with ``fp8_state: true`` is the same algorithm through the
+generic wrapper.
+
+Per optimizer, with ``lr`` the schedule and ``wd`` ``weight_decay`` (under the weight-decay
+mask):
+
+- ``adamw`` / ``coat_adamw``: ``b1``, ``b2``, ``eps``; decoupled decay ``lr * wd * p``.
+- ``lion``: ``b1``, ``b2``; decoupled decay ``lr * wd * p``.
+- ``sgd``: ``momentum`` (heavy ball); L2 decay ``wd * p`` added to the gradient before the
+  momentum (PyTorch's SGD ``weight_decay``).
+- ``adafactor``: optax's defaults (factored second moment, relative step sizes, update clipping
+  at 1, no momentum); decoupled decay ``lr * wd * p``.
+- ``muon``: Muon on the 2-D weights other than the embedding and the output head, with
+  ``momentum`` as its decay and ``consistent_rms=0.2`` so that its updates have AdamW's RMS
+  and share AdamW's learning rate (Liu et al. 2025); AdamW (``b1``, ``b2``, ``eps``) on the
+  rest; decoupled decay ``lr * wd * p`` on both.
+
+``grad_clip`` clips the global gradient norm before any of them.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from optax import contrib
+
+from coat_jax.fp8_wrapper import fp8_state
+from coat_jax.optim import coat_adamw
+from coat_jax.training.config import TrainConfig
+
+
+def weight_decay_mask(params, decay_all: bool):
+    """True where weight decay applies: matrices, except embeddings (and any norm) by default."""
+
+    def decays(path, p):
+        names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        special = any("embed" in n or "norm" in n for n in names)
+        return decay_all or (p.ndim >= 2 and not special)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def muon_dimension_numbers(params):
+    """Muon's parameters: 2-D matrices except the embedding and the output head (Adam's)."""
+
+    def spec(path, p):
+        names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        special = any("embed" in n or "lm_head" in n for n in names)
+        return contrib.MuonDimensionNumbers() if p.ndim == 2 and not special else None
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransformation:
+    wd = cfg.weight_decay
+    if cfg.optimizer == "adamw":
+        return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd, mask=mask)
+    if cfg.optimizer == "lion":
+        return optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=mask)
+    if cfg.optimizer == "sgd":
+        return optax.chain(
+            optax.add_decayed_weights(wd, mask), optax.sgd(schedule, momentum=cfg.momentum)
+        )
+    if cfg.optimizer == "adafactor":
+        return optax.adafactor(
+            schedule, weight_decay_rate=lambda count: wd * schedule(count), weight_decay_mask=mask
+        )
+    if cfg.optimizer == "muon":
+        return contrib.muon(
+            schedule,
+            beta=cfg.momentum,
+            weight_decay=wd,
+            weight_decay_mask=mask,
+            adam_b1=cfg.b1,
+            adam_b2=cfg.b2,
+            eps=cfg.eps,
+            adam_weight_decay=wd,
+            muon_weight_dimension_numbers=muon_dimension_numbers,
+            consistent_rms=0.2,
+        )
+    raise ValueError(
+        f"optimizer={cfg.optimizer!r} has no inner optax optimizer; valid: adamw, lion, sgd, "
+        "adafactor, muon"
+    )
+
+
+def make_optimizer(cfg: TrainConfig, schedule) -> optax.GradientTransformation:
+    """The optimizer ``cfg`` asks for (see the module docstring), with gradient clipping.
+
+    Args:
+      cfg: the run's config (``optimizer``, ``fp8_state`` and the hyper-parameters).
+      schedule: the learning-rate schedule, ``count -> lr``.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    mask = lambda params: weight_decay_mask(params, cfg.decay_norms_and_embeddings)
+    if cfg.optimizer == "coat_adamw":
+        # TrainConfig refuses fp8_state=true here: these moments are FP8 already.
+        tx = coat_adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=mask,
+            mu_format=cfg.mu_format,
+            nu_format=cfg.nu_format,
+        )
+    else:
+        tx = _inner_optimizer(cfg, schedule, mask)
+        if cfg.fp8_state:
+            tx = fp8_state(tx, formats={"signed": cfg.mu_format, "nonnegative": cfg.nu_format})
+    if cfg.grad_clip is None:
+        return tx
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+
+
+def optimizer_fingerprint(cfg: TrainConfig) -> dict:
+    """The optimizer's part of a run fingerprint: what fixes its state's layout.
+
+    A checkpoint's optimizer state only fits an optimizer with the same algorithm, the same
+    storage (FP8 or float32) and, for FP8, the same formats.
+    """
+    fp8 = cfg.optimizer == "coat_adamw" or cfg.fp8_state
+    return {
+        "optimizer": cfg.optimizer,
+        "fp8_state": cfg.fp8_state,
+        "mu_format": cfg.mu_format if fp8 else None,
+        "nu_format": cfg.nu_format if fp8 else None,
+    }

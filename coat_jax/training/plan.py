@@ -1,0 +1,189 @@
+"""What a training config will need, before training: ``python train.py --plan``.
+
+The trainer's own step (:func:`coat_jax.training.loop.build_program`) is compiled, never run, at
+each batch size, and XLA's ``compiled.memory_analysis()`` gives its peak: arguments (parameters,
+optimizer state, the token batch) + outputs - donated + temporaries. Temporaries are split into
+the activations backward keeps (the residuals of the loss's ``jax.vjp``, traced with
+:func:`coat_jax.memory.residuals`) and the rest, called workspace here (gradients, the
+optimizer's intermediates, XLA's scratch). The largest batch that fits is searched the same way
+against the device's ``bytes_limit``; the CPU has none, so there the report gives the numbers of
+XLA's CPU backend and says that it found no limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from coat_jax.training.config import TrainConfig
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """XLA's memory account of the step at one batch size, in bytes."""
+
+    batch_size: int
+    params: int
+    opt_state: int
+    activations: int
+    workspace: int
+    peak: int
+    fits: bool | None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _tree_bytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def device_limit() -> int | None:
+    """The first device's allocator limit in bytes (None on backends without one: the CPU)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = {}
+    return stats.get("bytes_limit") or stats.get("bytes_reservable_limit")
+
+
+def _llama_config(cfg: TrainConfig):
+    if not cfg.init_from:
+        return cfg.model
+    from coat_jax.checkpoint_io import read_config
+    from coat_jax.training.loop import resolve_init_from
+
+    return read_config(resolve_init_from(cfg.init_from))
+
+
+def plan_memory(
+    cfg: TrainConfig, batch_sizes=None, *, search: bool = True, max_compiles: int = 8
+) -> tuple[list[PlanRow], int | None, int | None]:
+    """Compiles ``cfg``'s step at each batch size and returns XLA's memory account.
+
+    Args:
+      cfg: the training config (its ``batch_size`` is planned when ``batch_sizes`` is None).
+      batch_sizes: microbatch sizes to compile.
+      search: also find the largest batch that fits the device (compile-only).
+      max_compiles: how many compiles the search may spend.
+
+    Returns:
+      ``(rows, largest_fitting_batch, device_limit_bytes)``; the last two are None where the
+      backend has no memory limit.
+    """
+    from coat_jax.memory import residuals
+    from coat_jax.training.loop import build_program, next_token_loss
+
+    for b in batch_sizes or ():
+        if not isinstance(b, int) or b <= 0:
+            raise ValueError(f"batch sizes must be positive integers, got {b!r}")
+    program = build_program(cfg, _llama_config(cfg))
+    params, opt_state = program.abstract_params, program.abstract_opt_state
+    params_bytes, opt_bytes = _tree_bytes(params), _tree_bytes(opt_state)
+    limit = device_limit()
+    rows: dict[int, PlanRow] = {}
+
+    def row(batch: int) -> PlanRow:
+        if batch in rows:
+            return rows[batch]
+        compiled = program.step_fn.lower(params, opt_state, program.abstract_batch(batch)).compile()
+        ma = compiled.memory_analysis()
+        peak = (
+            ma.argument_size_in_bytes
+            + ma.output_size_in_bytes
+            - ma.alias_size_in_bytes
+            + ma.temp_size_in_bytes
+        )
+        tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32)
+        kept = residuals(
+            lambda p, t: next_token_loss(program.model_def, p, t),
+            program.model_def.abstract_params,
+            tokens,
+            param_argnums=(0,),
+        )
+        activations = sum(r.nbytes for r in kept if r.is_activation) * cfg.grad_accum
+        rows[batch] = PlanRow(
+            batch_size=batch,
+            params=params_bytes,
+            opt_state=opt_bytes,
+            activations=activations,
+            workspace=int(ma.temp_size_in_bytes) - activations,
+            peak=int(peak),
+            fits=None if limit is None else peak <= limit,
+        )
+        return rows[batch]
+
+    for b in batch_sizes or [cfg.batch_size]:
+        row(b)
+    largest = None
+    if search and limit is not None:
+        largest = _largest_fitting(row, min(rows), max_compiles)
+    return sorted(rows.values(), key=lambda r: r.batch_size), largest, limit
+
+
+def _largest_fitting(row, start: int, max_compiles: int) -> int | None:
+    """Doubling, then bisection, over compile-only peaks; None if even ``start`` does not fit."""
+    lo, hi = (start, None) if row(start).fits else (None, start)
+    if lo is None:
+        lo_try = start // 2
+        while lo_try >= 1 and max_compiles > 0:
+            max_compiles -= 1
+            if row(lo_try).fits:
+                lo = lo_try
+                break
+            hi, lo_try = lo_try, lo_try // 2
+        if lo is None:
+            return None
+    while hi is None and max_compiles > 0:
+        max_compiles -= 1
+        if row(lo * 2).fits:
+            lo *= 2
+        else:
+            hi = lo * 2
+    while hi is not None and hi - lo > 1 and max_compiles > 0:
+        max_compiles -= 1
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if row(mid).fits else (lo, mid)
+    return lo
+
+
+def format_plan(rows: list[PlanRow], largest: int | None, limit: int | None, cfg) -> str:
+    """The plan as a table, in GiB (MiB when every peak is below 1 GiB)."""
+    backend = jax.default_backend()
+    unit, size = ("GiB", GIB) if max(r.peak for r in rows) >= GIB else ("MiB", 2**20)
+    lines = [
+        f"memory plan of this config's train step ({cfg.precision}, {cfg.optimizer}, "
+        f"scan_layers={cfg.scan_layers}, remat={cfg.remat}, master_dtype={cfg.master_dtype}, "
+        f"seq_len={cfg.seq_len}, grad_accum={cfg.grad_accum}) on {backend}, compiled, not run:",
+        "",
+        f"{'batch':>6} {'params':>9} {'opt state':>10} {'activations':>12} {'workspace':>10} "
+        f"{'peak':>9}  fits",
+    ]
+    for r in rows:
+        fits = "n/a" if r.fits is None else ("yes" if r.fits else "no")
+        lines.append(
+            f"{r.batch_size:>6} {r.params / size:>9.2f} {r.opt_state / size:>10.2f} "
+            f"{r.activations / size:>12.2f} {r.workspace / size:>10.2f} {r.peak / size:>9.2f}  "
+            f"{fits}"
+        )
+    lines.append("")
+    lines.append(
+        f"{unit}; peak = XLA's memory_analysis() (arguments + outputs - donated + temporaries); "
+        "activations = what backward keeps (traced residuals); workspace = the rest of the "
+        "temporaries (gradients, optimizer intermediates, scratch)."
+    )
+    if limit is None:
+        lines.append(
+            f"The {backend} backend reports no memory limit: these are XLA's {backend} numbers "
+            "and no largest batch is searched."
+        )
+    elif largest is None:
+        lines.append(f"No batch fits the device's {limit / GIB:.2f} GiB.")
+    else:
+        lines.append(f"Largest batch that fits the device's {limit / GIB:.2f} GiB: {largest}.")
+    return "\n".join(lines)

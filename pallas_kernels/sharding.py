@@ -1,0 +1,207 @@
+"""Pallas kernels on sharded operands: each device runs the kernel on its own shard (issue 16).
+
+A ``pallas_call`` has no SPMD partitioning rule: XLA would gather sharded operands whole onto
+every device. The kernels here all work per element or per group, so given where the operands
+live they run unchanged on each shard inside ``jax.shard_map``; what needs the whole tensor is one
+small collective (a per-tensor scale's maximum, a weight gradient's sum over the batch).
+
+Where the operands live is told, not guessed: inside ``jit`` the arrays are tracers whose
+sharding XLA decides later (outside explicit-sharding mode), so
+
+* the FP8 activation ops take a :class:`KernelMesh` (``FP8Config(mesh=...)``): activations are
+  split along their leading (batch) axis over ``batch_axes`` and replicated over the other mesh
+  axes; weights are split by the FSDP rule of ``coat_jax.training.sharding.fsdp_spec`` over
+  ``param_axis``;
+* the optimizer takes ``mesh=`` and, per parameter, a ``PartitionSpec`` (by default the same FSDP
+  rule), and :func:`group_aligned_spec` adapts it to the quantization groups.
+
+A shape the sharded kernel cannot take (a batch axis the batch devices do not divide) raises
+``NotImplementedError``, so ``implementation="auto"`` falls back to the XLA reference, which XLA
+partitions like any jnp code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+
+def shard_map(fn, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map`` without replication checks (``pallas_call`` has no rule for them).
+
+    ``jax.shard_map`` exists from JAX 0.6; older releases have ``jax.experimental.shard_map``.
+    """
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as experimental_shard_map
+
+    return experimental_shard_map(fn, mesh, in_specs, out_specs, check_rep=False)
+
+
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes a ``PartitionSpec`` splits over, in order."""
+    names = []
+    for entry in spec:
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if name is not None:
+                names.append(name)
+    return tuple(names)
+
+
+def _ways(mesh: Mesh, entry) -> int:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[n] for n in names if n is not None)
+
+
+def check_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, what: str) -> None:
+    """``ValueError`` unless ``spec`` names mesh axes and divides ``shape`` evenly."""
+    if not isinstance(spec, PartitionSpec):
+        raise ValueError(f"{what}: expected a jax.sharding.PartitionSpec, got {spec!r}")
+    if len(spec) > len(shape):
+        raise ValueError(f"{what}: spec {spec} has more entries than shape {shape} has axes")
+    unknown = [n for n in spec_axes(spec) if n not in mesh.axis_names]
+    if unknown:
+        raise ValueError(
+            f"{what}: spec {spec} names mesh axes {unknown} that the mesh {dict(mesh.shape)} lacks"
+        )
+    for size, entry in zip(shape, spec, strict=False):
+        if size % _ways(mesh, entry):
+            raise ValueError(
+                f"{what}: spec {spec} splits an axis of size {size} of shape {shape} "
+                f"{_ways(mesh, entry)} ways, which does not divide it; pass a spec that divides "
+                "every split axis"
+            )
+
+
+def group_aligned_spec(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, group_size: int
+) -> PartitionSpec:
+    """The spec the per-group optimizer kernel runs under for a parameter stored as ``spec``.
+
+    Quantization groups run along the last axis, so a split of the last axis must fall on group
+    boundaries (each shard's length a multiple of ``group_size``). Where it does not (Llama-2-7B's
+    ``[4096, 11008]`` gate and up projections split 8 ways: 1376 columns per shard, 10.75
+    groups), the last axis's mesh axes move to the largest other unsplit axis they divide, so XLA
+    re-lays the shard out with an all-to-all (no device holds more than its share); if there is
+    none, the last axis is replicated (an all-gather of that one parameter, done by XLA).
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if not entries or entries[-1] is None:
+        return PartitionSpec(*entries)
+    ways = _ways(mesh, entries[-1])
+    if (shape[-1] // ways) % group_size == 0:
+        return PartitionSpec(*entries)
+    last, entries[-1] = entries[-1], None
+    free = [i for i in range(len(shape) - 1) if entries[i] is None and shape[i] % ways == 0]
+    if free:
+        entries[max(free, key=lambda i: (shape[i], -i))] = last
+    return PartitionSpec(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelMesh:
+    """Where the FP8 activation kernels' operands live (static and hashable, for ``FP8Config``).
+
+    Attributes:
+      mesh: the device mesh of the program (``coat_jax.training.sharding.make_mesh``).
+      batch_axes: mesh axes the activations' leading (batch) axis is split over; the other mesh
+        axes hold replicas. The trainer splits batches over ``("data", "fsdp")``.
+      param_axis: mesh axis the weights are split over by the FSDP rule (``fsdp_spec``), or
+        ``None`` for replicated weights.
+
+    Example:
+      >>> mesh = jax.make_mesh((1, len(jax.devices())), ("data", "fsdp"))
+      >>> config = coat_jax.FP8Config(mesh=KernelMesh(mesh))
+    """
+
+    mesh: Mesh
+    batch_axes: tuple[str, ...] = ("data", "fsdp")
+    param_axis: str | None = "fsdp"
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"KernelMesh.mesh must be a jax.sharding.Mesh, got {self.mesh!r}")
+        axes = (self.batch_axes,) if isinstance(self.batch_axes, str) else tuple(self.batch_axes)
+        object.__setattr__(self, "batch_axes", axes)
+        for name in (*axes, *([self.param_axis] if self.param_axis else [])):
+            if name not in self.mesh.axis_names:
+                raise ValueError(
+                    f"KernelMesh: axis {name!r} is not a mesh axis; the mesh has "
+                    f"{list(self.mesh.axis_names)}"
+                )
+
+    @property
+    def batch_ways(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    def activation_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
+        """The leading axis split over the batch axes; ``NotImplementedError`` if it does not
+        divide (then ``"auto"`` uses the XLA reference)."""
+        if len(shape) < 2 or shape[0] % self.batch_ways:
+            raise NotImplementedError(
+                f"on the kernel mesh an activation of shape {tuple(shape)} needs a leading batch "
+                f"axis that the {self.batch_ways} devices of batch_axes {self.batch_axes} divide"
+            )
+        return PartitionSpec(self.batch_axes)
+
+    def param_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
+        """A weight's spec by the trainer's FSDP rule (``fsdp_spec``) over ``param_axis``."""
+        if self.param_axis is None:
+            return PartitionSpec()
+        return fsdp_rule(shape, self.mesh, self.param_axis)
+
+
+def fsdp_rule(shape: tuple[int, ...], mesh: Mesh, axis: str = "fsdp") -> PartitionSpec:
+    """``coat_jax.training.sharding.fsdp_spec`` over mesh axis ``axis``: the trainer's layout."""
+    # Imported here: coat_jax.training imports the optimizer, which imports this module.
+    from coat_jax.training.sharding import fsdp_spec
+
+    spec = fsdp_spec(tuple(shape), mesh.shape[axis])
+    return PartitionSpec(*[axis if entry == "fsdp" else entry for entry in spec])
+
+
+def over_batch(in_kinds: str, out_kinds: str):
+    """Adds ``mesh: KernelMesh | None`` to a Pallas entry point: with a mesh it runs per shard.
+
+    ``in_kinds`` describes the leading positional arrays, ``out_kinds`` the outputs: ``"b"`` is
+    split along its leading axis over the batch axes, ``"r"`` is replicated, and an ``"s"``
+    output is the sum over the batch shards (a ``psum`` of each shard's partial sum). Positional
+    arguments past ``in_kinds`` and all keywords are static and reach every shard as they are.
+    """
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, mesh: KernelMesh | None = None, **kwargs):
+            if mesh is None:
+                return fn(*args, **kwargs)
+            arrays, static = args[: len(in_kinds)], args[len(in_kinds) :]
+            batched = next(a for a, k in zip(arrays, in_kinds, strict=True) if k == "b")
+            split = mesh.activation_spec(batched.shape)
+
+            def spec(kind):
+                return split if kind == "b" else PartitionSpec()
+
+            def local(*shards):
+                outs = fn(*shards, *static, **kwargs)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                return tuple(
+                    lax.psum(o, mesh.batch_axes) if k == "s" else o
+                    for o, k in zip(outs, out_kinds, strict=True)
+                )
+
+            outs = shard_map(
+                local,
+                mesh.mesh,
+                tuple(spec(k) for k in in_kinds),
+                tuple(spec(k) for k in out_kinds),
+            )(*arrays)
+            return outs if len(out_kinds) > 1 else outs[0]
+
+        return wrapped
+
+    return decorate
