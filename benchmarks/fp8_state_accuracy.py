@@ -41,16 +41,6 @@ OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "muon")
 LEARNING_RATES = {"adamw": 3e-3, "lion": 3e-4, "sgd": 0.3, "adafactor": 3e-3, "muon": 3e-3}
 
 
-def _use_new_make_optimizer() -> None:
-    """Temporary, until loop.py imports make_optimizer from coat_jax.training.optimizers.
-
-    The trainer's own make_optimizer only knows adamw and coat_adamw; once loop.py takes the one
-    from optimizers.py (the same function object) this does nothing.
-    """
-    if loop.make_optimizer is not optimizers.make_optimizer:
-        loop.make_optimizer = optimizers.make_optimizer
-
-
 def run(optimizer: str, fp8: bool, *, steps: int, lr: float, out: Path, extra) -> dict:
     name = f"{optimizer}_{'fp8' if fp8 else 'f32'}"
     cfg = load_config(
@@ -157,7 +147,6 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {str(out)!r} is not empty; choose a new directory")
-    _use_new_make_optimizer()
     rows = []
     for opt in args.optimizers:
         for fp8 in (False, True):
