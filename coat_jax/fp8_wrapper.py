@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import optax
 
 from coat_jax import quant
-from coat_jax.optim import _replicated_like, _stat_sharding, _unbox
+from coat_jax.optim import _replicated_like, _stat_sharding, _unbox, flatten_option
 
 ROLES = ("signed", "nonnegative")
 
@@ -136,14 +136,7 @@ def _params_by_path(params, mask) -> dict[tuple, tuple[Any, bool]]:
     if mask is None:
         wanted = [True] * len(flat)
     else:
-        mask_tree = mask(params) if callable(mask) else mask
-        try:
-            wanted = treedef.flatten_up_to(mask_tree)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                "mask must be a tree of bools with the parameters' structure (or a callable "
-                f"returning one); it does not match the parameters: {e}"
-            ) from None
+        wanted = flatten_option(mask, params, treedef, name="mask", of="bools")
     return {tuple(path): (p, bool(w)) for (path, p), w in zip(flat, wanted, strict=True)}
 
 

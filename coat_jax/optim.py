@@ -87,20 +87,28 @@ def _static_group_size(group_size) -> int:
     return quant.check_group_size(group_size)
 
 
+def flatten_option(option, params, treedef, *, name: str, of: str) -> list:
+    """The leaves of a per-parameter option (a tree like ``params``, or a callable returning one).
+
+    ``name`` and ``of`` only word the error: ``"fp8_mask"``, ``"bools"``.
+    """
+    tree = option(params) if callable(option) else option
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{name} must be a tree of {of} with the parameters' structure (or a callable "
+            f"returning one); it does not match the parameters: {e}"
+        ) from None
+
+
 def _quantized_flags(params, fp8_mask) -> list[bool]:
     """Per leaf of ``params``: does it get FP8 moments?"""
     leaves, treedef = jax.tree.flatten(params)
     if fp8_mask is None:
         wanted = [True] * len(leaves)
     else:
-        mask_tree = fp8_mask(params) if callable(fp8_mask) else fp8_mask
-        try:
-            wanted = treedef.flatten_up_to(mask_tree)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                "fp8_mask must be a tree of bools with the parameters' structure (or a "
-                f"callable returning one); it does not match the parameters: {e}"
-            ) from None
+        wanted = flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
     return [bool(w) and p.ndim >= 1 and p.size > 0 for w, p in zip(wanted, leaves, strict=True)]
 
 
@@ -323,16 +331,10 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
         # Imported here: coat_jax.training imports this module.
         from coat_jax.training.sharding import param_shardings
 
-        tree = jax.tree.map(lambda s: s.spec, param_shardings(updates, mesh))
-    else:
-        tree = partition_specs(updates) if callable(partition_specs) else partition_specs
-    try:
-        specs = treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "partition_specs must be a tree of PartitionSpecs with the parameters' structure "
-            f"(or a callable returning one); it does not match the parameters: {e}"
-        ) from None
+        partition_specs = jax.tree.map(lambda s: s.spec, param_shardings(updates, mesh))
+    specs = flatten_option(
+        partition_specs, updates, treedef, name="partition_specs", of="PartitionSpecs"
+    )
     for s in specs:
         if not isinstance(s, PartitionSpec):
             raise ValueError(f"partition_specs holds {s!r}; every leaf must be a PartitionSpec")
