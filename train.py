@@ -6,14 +6,17 @@
   python train.py steps=50 --print-config                # show the resolved config, run nothing
 
 Every key below can be set in the YAML file or as key=value (section.key=value for model.* and
-mesh.*). Ctrl-C or SIGTERM saves a checkpoint and stops. Afterwards:
+mesh.*). Ctrl-C or SIGTERM saves a checkpoint and stops. An error is one line on stderr (and in
+<output_dir>/train.log), with exit code 2 for bad input, 3 for a diverged run. Afterwards:
   python -m coat_jax.generate runs/default "It is a truth"      # sample from the run
   python -m coat_jax.convert run-to-hf runs/default runs/hf     # export for transformers
 """
 
 import argparse
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -21,6 +24,9 @@ import yaml
 from coat_jax.training import load_config, train
 from coat_jax.training.cli import config_help
 from coat_jax.training.config import to_dict
+from coat_jax.training.distributed import maybe_initialize
+from coat_jax.training.errors import error_line, exit_code
+from coat_jax.training.loop import FIRST_STEP_THREAD
 
 
 def main(argv=None) -> int:
@@ -58,15 +64,25 @@ def main(argv=None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    try:
+        # Before JAX uses a device: under a multi-process launcher (COAT_JAX_COORDINATOR, srun,
+        # mpirun) every process joins one runtime and the mesh spans all their devices.
+        maybe_initialize()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.plan is not None:
         return _plan(cfg, args.plan)
     try:
         result = train(cfg)
-    except ValueError as e:
-        # Bad input (data path, checkpoint, sizes): the message says what and why; a traceback
-        # would only bury it.
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:
+        # Bad input, a diverged run, a second signal: the message says what and what to do; a
+        # traceback would only bury it. Other errors are bugs and keep theirs.
+        code = exit_code(e)
+        if code is None:
+            raise
+        print(error_line(e), file=sys.stderr)
+        return code
     if result.stopped_by is not None:
         return 128 + signal.Signals[result.stopped_by].value
     return 0
@@ -92,4 +108,11 @@ def _plan(cfg, text: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if any(t.name == FIRST_STEP_THREAD and t.is_alive() for t in threading.enumerate()):
+        # Stopped while compiling the first step: an interpreter exit would tear XLA down
+        # under that compilation and abort.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

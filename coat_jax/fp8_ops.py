@@ -24,8 +24,10 @@ FP8 linear: input and weight are quantized to E4M3 with per-tensor scales comput
 by group scaling; the forward GEMM is written as ``dot(convert(x_fp8) * s_x, convert(w_fp8) *
 s_w)``, the pattern XLA's GPU compiler rewrites into cuBLASLt's FP8 GEMM
 (``__cublas$lt$matmul$f8``). Backward quantizes the output gradient per-tensor to E5M2 and runs
-dgrad and wgrad as the same FP8 pattern; the weight is re-quantized from the master weight rather
-than kept as an FP8 copy, and its gradient comes out in the master dtype.
+dgrad and wgrad as the same FP8 pattern; by default (``FP8Config.weight_residual="master"``) the
+weight is re-quantized from the master weight rather than kept as an FP8 copy, and with ``"fp8"``
+forward's codes are kept for backward instead (1 byte per weight, tagged :data:`WEIGHT`; the same
+codes, so the same results). Its gradient comes out in the master dtype.
 
 The residual stream travels in BF16 (``fp8_add`` computes the sum in BF16); its FP8 copy is the
 one the next ``fp8_rmsnorm`` makes and saves, and since each residual-stream value feeds exactly
@@ -69,11 +71,23 @@ GEMM_DEQUANT = ("compute", "float32")
 # flow's residuals (SPEC section 3) and recomputes everything else, weight casts included
 # (``coat_jax.llama.REMAT_POLICIES``).
 ACTIVATION = "activation"
+# ``checkpoint_name`` of the FP8 weight codes and per-tensor scales ``fp8_linear`` keeps for
+# backward with ``FP8Config(weight_residual="fp8")`` (1 byte per weight, alive from forward to
+# backward). A remat policy that saves this name keeps them; one that does not recomputes them in
+# backward (``coat_jax.llama.REMAT_POLICIES``). With ``"master"`` nothing carries this name.
+WEIGHT = "fp8_weight"
+# What ``fp8_linear`` keeps of its weights for backward (``FP8Config.weight_residual``).
+WEIGHT_RESIDUALS = ("master", "fp8")
 
 
 def keep(tree):
     """Tags every array of ``tree`` as a kept activation (:data:`ACTIVATION`) for remat."""
     return jax.tree.map(lambda x: checkpoint_name(x, ACTIVATION), tree)
+
+
+def keep_weight(tree):
+    """Tags every array of ``tree`` as kept FP8 weight codes (:data:`WEIGHT`) for remat."""
+    return jax.tree.map(lambda x: checkpoint_name(x, WEIGHT), tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,12 @@ class FP8Config:
         pattern that XLA rewrites to cuBLASLt's FP8 GEMM: "float32" (default) or "compute" (the
         activations' dtype). Both are exact (FP8 values are exact in BF16); the GEMM accumulates
         in float32 either way. docs/fp8_gemm.md has which spellings the H200 rewrites.
+      weight_residual: what ``fp8_linear`` keeps of each weight for backward. ``"master"``
+        (default): a reference to the master weight, which backward quantizes again (nothing
+        weight-sized is added; the weight is read and quantized twice per step). ``"fp8"``: the
+        E4M3 codes and scale forward computed (1 byte per weight, tagged :data:`WEIGHT`, alive
+        until backward), so backward quantizes no weight. Both give bit-identical results: the
+        same codes feed the same GEMMs. docs/memory_options.md, "FP8 weight codes".
     """
 
     act_format: str = "e4m3"
@@ -107,11 +127,18 @@ class FP8Config:
     tiles: fp8_quant.TileConfig = fp8_quant.DEFAULT_TILES
     gemm_dequant: str = "float32"
     mesh: KernelMesh | None = None
+    weight_residual: str = "master"
 
     def __post_init__(self):
         if self.gemm_dequant not in GEMM_DEQUANT:
             raise ValueError(
                 f"gemm_dequant={self.gemm_dequant!r} is not one of {list(GEMM_DEQUANT)}"
+            )
+        if self.weight_residual not in WEIGHT_RESIDUALS:
+            raise ValueError(
+                f"weight_residual={self.weight_residual!r} is not one of "
+                f"{list(WEIGHT_RESIDUALS)}: 'master' re-quantizes the master weight in backward, "
+                "'fp8' keeps forward's FP8 weight codes for it"
             )
         quant.fp8_format(self.act_format)
         quant.fp8_format(self.grad_format)
@@ -261,8 +288,14 @@ def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
 
     ``w`` may also be a tuple of weights sharing the input (q|k|v, gate|up): ``x`` is then
     quantized and saved once, each weight gets its own per-tensor scale, and a tuple of outputs
-    comes back. Backward keeps references to the caller's master weights (which live anyway) and
-    re-quantizes them, so no FP8 or concatenated weight copy stays alive between the passes.
+    comes back. No concatenated weight copy is made. What backward gets of the weights is
+    ``config.weight_residual``: with ``"master"`` a reference to the caller's master weights
+    (which live anyway), quantized again in backward; with ``"fp8"`` forward's E4M3 codes and
+    scales (1 byte per weight, tagged :data:`WEIGHT`), so each weight is quantized once.
+
+    Weights are quantized as weights (``_per_tensor(..., weight=True)``): on a kernel mesh
+    (``config.mesh``) each FSDP shard is quantized where it lives, with the scale of the global
+    maximum, so the GEMM gathers 1-byte codes rather than the float32 weight.
 
     Args:
       x: activations ``[..., K]`` (BF16 or float32).
@@ -281,36 +314,80 @@ def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
     return _fp8_linear_fwd(x, w, config)[0]
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["codes", "scales"],
+    meta_fields=["dtypes", "container"],
+)
+@dataclasses.dataclass(frozen=True)
+class _WeightCodes:
+    """Forward's FP8 weights kept for backward (``weight_residual="fp8"``): per weight its E4M3
+    codes ``[K, N]`` and float32 scale; static: the master dtypes the gradients take and the
+    container of ``w`` (``tuple``, ``list``, or ``None`` for a single weight)."""
+
+    codes: tuple
+    scales: tuple
+    dtypes: tuple
+    container: type | None
+
+
+def _gathered(w_q, config: FP8Config):
+    """On a kernel mesh: the FSDP all-gather of a weight placed on its FP8 codes (1 byte a
+    value), where the per-shard quantizer left them; kept codes stay sharded. Left to itself the
+    partitioner gathers the converted GEMM operand instead (float32 on 8 CPU devices)."""
+    return w_q if config.mesh is None else config.mesh.gathered(w_q)
+
+
 def _fp8_linear_fwd(x, w, config):
     _check_linear(x, w)
     k = x.shape[-1]
     # Quantize the 2-D view so that the codes feed the GEMM with no reshape in between (XLA's
     # FP8 GEMM rewriter only matches convert(codes) * scale directly on the FP8 producer).
     x_q, x_s = _per_tensor(x.reshape(-1, k), config.act_format, config)
-    ys = []
-    for wi in _as_weights(w):
-        w_q, w_s = _per_tensor(wi, config.act_format, config)
-        y = _fp8_dot(x_q, x_s, w_q, w_s, ((1,), (0,)), config, x.dtype, x.dtype)
+    weights = _as_weights(w)
+    ys, codes, scales = [], [], []
+    for wi in weights:
+        w_q, w_s = _per_tensor(wi, config.act_format, config, weight=True)
+        y = _fp8_dot(x_q, x_s, _gathered(w_q, config), w_s, ((1,), (0,)), config, x.dtype, x.dtype)
         ys.append(y.reshape(*x.shape[:-1], wi.shape[1]))
-    out = tuple(ys) if isinstance(w, (tuple, list)) else ys[0]
-    return out, (*keep((x_q, x_s)), w)
+        codes.append(w_q)
+        scales.append(w_s)
+    container = type(w) if isinstance(w, (tuple, list)) else None
+    out = ys[0] if container is None else tuple(ys)
+    if config.weight_residual == "fp8":
+        codes, scales = keep_weight((tuple(codes), tuple(scales)))
+        dtypes = tuple(jnp.dtype(wi.dtype) for wi in weights)
+        kept_w = _WeightCodes(codes, scales, dtypes, container)
+    else:
+        kept_w = w
+    return out, (*keep((x_q, x_s)), kept_w)
 
 
 def _fp8_linear_bwd(config, res, dy):
-    x_q, x_s, w = res
-    weights, dys = _as_weights(w), _as_weights(dy)
+    x_q, x_s, kept_w = res
+    if isinstance(kept_w, _WeightCodes):
+        quantized = zip(kept_w.codes, kept_w.scales, strict=True)
+        dtypes, container = kept_w.dtypes, kept_w.container
+    else:
+        # "master": quantize each master weight again, exactly as forward did.
+        weights = _as_weights(kept_w)
+        quantized = (_per_tensor(wi, config.act_format, config, weight=True) for wi in weights)
+        dtypes = tuple(wi.dtype for wi in weights)
+        container = type(kept_w) if isinstance(kept_w, (tuple, list)) else None
+    dys = _as_weights(dy)
     compute = dys[0].dtype
-    k = weights[0].shape[0]
     dx, dws = None, []
-    for wi, dyi in zip(weights, dys, strict=True):
-        dy_q, dy_s = _per_tensor(dyi.reshape(-1, wi.shape[1]), config.grad_format, config)
-        w_q, w_s = _per_tensor(wi, config.act_format, config)
+    for (w_q, w_s), dtype, dyi in zip(quantized, dtypes, dys, strict=True):
+        dy_q, dy_s = _per_tensor(dyi.reshape(-1, w_q.shape[1]), config.grad_format, config)
+        # dgrad contracts the codes' last axis (N): [K, N] codes are already in the layout
+        # cuBLASLt's FP8 GEMM takes, so no transposed copy is needed for it.
+        w_q = _gathered(w_q, config)
         dx_i = _fp8_dot(dy_q, dy_s, w_q, w_s, ((1,), (1,)), config, compute, jnp.float32)
         dx = dx_i if dx is None else dx + dx_i
         dw = _fp8_dot(x_q, x_s, dy_q, dy_s, ((0,), (0,)), config, compute, jnp.float32)
-        dws.append(dw.astype(wi.dtype))
-    dx = dx.astype(compute).reshape(*dys[0].shape[:-1], k)
-    return dx, (type(w)(dws) if isinstance(w, (tuple, list)) else dws[0])
+        dws.append(dw.astype(dtype))
+    dx = dx.astype(compute).reshape(*dys[0].shape[:-1], x_q.shape[1])
+    return dx, (dws[0] if container is None else container(dws))
 
 
 fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)

@@ -30,6 +30,7 @@ from coat_jax.fp8_ops import (
     ACTIVATION,
     DEFAULT_CONFIG,
     PRECISIONS,
+    WEIGHT,
     FP8Config,
     fp8_attention,
     ops_for,
@@ -46,13 +47,20 @@ ATTENTION = "attention"
 #   attention   keep what attention keeps; recompute the rest (norms, MLP, projections).
 #   activations keep what each op tags as its residual (ACTIVATION) plus attention's: in
 #               precision "coat" exactly SPEC section 3's FP8 residuals; in "bf16" the BF16
-#               inputs of the linears, norms, SiLU and product. Weight casts, quantized weights
-#               and float32 intermediates are recomputed in backward.
+#               inputs of the linears, norms, SiLU and product. Weight casts and float32
+#               intermediates are recomputed in backward. The FP8 weight codes of
+#               ``FP8Config(weight_residual="fp8")`` (tagged WEIGHT) are kept too, since keeping
+#               them is what that option is for (1 byte per weight until backward); with
+#               "master" no value carries that tag and backward re-quantizes each weight.
+# With weight_residual "fp8", "none" keeps the WEIGHT-tagged codes too (every residual is kept);
+# "full" and "attention" do not: their backward recomputes the codes from the master weight and
+# its GEMMs use those (with "master" backward quantizes each weight a second time).
+# docs/memory_options.md, "FP8 weight codes".
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "attention": jax.checkpoint_policies.save_only_these_names(ATTENTION),
-    "activations": jax.checkpoint_policies.save_only_these_names(ACTIVATION, ATTENTION),
+    "activations": jax.checkpoint_policies.save_only_these_names(ACTIVATION, ATTENTION, WEIGHT),
 }
 
 
@@ -516,8 +524,9 @@ class Llama(nnx.Module):
       dtype: compute dtype of activations and attention (bfloat16; float32 for exactness tests).
       param_dtype: dtype of the master weights.
       rngs: initialization randomness (normal, std 0.02, as HF's `initializer_range`).
-      fp8_config: static settings of the FP8 ops (formats, group size, kernels) for "fp8" and
-        "coat"; None means `coat_jax.fp8_ops.DEFAULT_CONFIG`.
+      fp8_config: static settings of the FP8 ops (formats, group size, kernels, what the
+        linears keep of their weights) for "fp8" and "coat"; None means
+        `coat_jax.fp8_ops.DEFAULT_CONFIG`.
       scan_layers: keep the decoder layers' parameters stacked (leading `num_hidden_layers`
         axis) and run them with `jax.lax.scan`: one compiled layer body instead of one per
         layer (MaxText's `scan_layers`). The pure-dict layouts convert with `stack_layers` /

@@ -13,7 +13,11 @@ sharding XLA decides later (outside explicit-sharding mode), so
   axes; weights are split by the FSDP rule of ``coat_jax.training.sharding.fsdp_spec`` over
   ``param_axis``;
 * the optimizer takes ``mesh=`` and, per parameter, a ``PartitionSpec`` (by default the same FSDP
-  rule), and :func:`group_aligned_spec` adapts it to the quantization groups.
+  rule, which keeps whole quantization groups on each shard), and :func:`group_aligned_spec`
+  adapts any other spec to the groups.
+
+The trainer (``coat_jax.training``) passes its ``(data, fsdp)`` mesh to both whenever the
+process has several devices; docs/sharding.md describes the whole layout.
 
 A shape the sharded kernel cannot take (a batch axis the batch devices do not divide) raises
 ``NotImplementedError``, so ``implementation="auto"`` falls back to the XLA reference, which XLA
@@ -28,7 +32,7 @@ import math
 
 import jax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 def shard_map(fn, mesh: Mesh, in_specs, out_specs):
@@ -84,11 +88,13 @@ def group_aligned_spec(
     """The spec the per-group optimizer kernel runs under for a parameter stored as ``spec``.
 
     Quantization groups run along the last axis, so a split of the last axis must fall on group
-    boundaries (each shard's length a multiple of ``group_size``). Where it does not (Llama-2-7B's
-    ``[4096, 11008]`` gate and up projections split 8 ways: 1376 columns per shard, 10.75
-    groups), the last axis's mesh axes move to the largest other unsplit axis they divide, so XLA
-    re-lays the shard out with an all-to-all (no device holds more than its share); if there is
-    none, the last axis is replicated (an all-gather of that one parameter, done by XLA).
+    boundaries (each shard's length a multiple of ``group_size``). The trainer's FSDP rule only
+    makes such splits, so its specs come back unchanged. Where a spec of the caller's does not
+    (Llama-2-7B's ``[4096, 11008]`` gate and up projections split 8 ways along columns: 1376 per
+    shard, 10.75 groups), the last axis's mesh axes move to the largest other unsplit axis they
+    divide, so XLA re-lays the shard out with an all-to-all (no device holds more than its
+    share); if there is none, the last axis is replicated (an all-gather of that one parameter,
+    done by XLA).
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if not entries or entries[-1] is None:
@@ -154,6 +160,18 @@ class KernelMesh:
         if self.param_axis is None:
             return PartitionSpec()
         return fsdp_rule(shape, self.mesh, self.param_axis)
+
+    def gathered(self, x: jax.Array) -> jax.Array:
+        """``x`` whole on every device: FSDP's all-gather of a weight, at this point.
+
+        Applied to a weight's FP8 codes as they come out of the per-shard quantizer, it makes
+        XLA all-gather the codes, 1 byte a value. Left to itself the partitioner gathers the
+        GEMM operand that the codes are converted to instead (8 CPU devices, the tiny Llama's
+        train step: every weight gathered as float32), and that all-gather then sits between
+        ``convert(codes)`` and the dot, where XLA's FP8 GEMM rewriter looks for the FP8 codes
+        (docs/fp8_gemm.md).
+        """
+        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
 
 def fsdp_rule(shape: tuple[int, ...], mesh: Mesh, axis: str = "fsdp") -> PartitionSpec:

@@ -13,6 +13,7 @@ Tolerances (stated once, used throughout):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -405,16 +406,17 @@ def test_dot_general_drop_in_for_nnx_linear():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weight_residual", fp8_ops.WEIGHT_RESIDUALS)
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("n_weights", [1, 2])
-def test_fp8_linear_compiles_to_cublaslt_fp8(implementation, n_weights):
+def test_fp8_linear_compiles_to_cublaslt_fp8(implementation, n_weights, weight_residual):
     # Llama-2-7B-sized projections (compile only): every GEMM of forward, dgrad and wgrad must
     # be cuBLASLt's FP8 GEMM, none a BF16/float32 GEMM or a Triton GEMM fusion.
     sds = jax.ShapeDtypeStruct
     x = sds((2, 1024, 4096), jnp.bfloat16)
     ws = tuple(sds((4096, n), jnp.float32) for n in (4096, 1024)[:n_weights])
     cs = tuple(sds((2, 1024, w.shape[1]), jnp.float32) for w in ws)
-    config = FP8Config(implementation=implementation)
+    config = FP8Config(implementation=implementation, weight_residual=weight_residual)
 
     def loss(x, ws, cs):
         # Cotangents that are arguments, so XLA cannot constant-fold the gradient path.
@@ -471,13 +473,16 @@ def _dot_operand_sources(jaxpr) -> list[tuple[str, str]]:
     return found
 
 
+@pytest.mark.parametrize("weight_residual", fp8_ops.WEIGHT_RESIDUALS)
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_fp8_linear_dots_take_fp8_codes_directly(implementation):
+def test_fp8_linear_dots_take_fp8_codes_directly(implementation, weight_residual):
     # The spelling XLA's cuBLASLt FP8 rewriter needs (docs/fp8_gemm.md): every GEMM of forward,
     # dgrad and wgrad is a dot of convert(float8 codes), with the scales applied after the dot.
     # A dequantize-then-dot (convert * scale, or a float32/BF16 operand) would compile to a
     # float32 or BF16 GEMM on the GPU.
-    config = FP8Config(implementation=implementation, interpret=True)
+    config = FP8Config(
+        implementation=implementation, interpret=True, weight_residual=weight_residual
+    )
     x = jnp.ones((2, 16, 64), jnp.bfloat16)
     ws = (jnp.ones((64, 32)), jnp.ones((64, 16)))
 
@@ -498,3 +503,233 @@ def test_fp8_compiler_options_only_on_gpu():
     assert fp8_ops.GPU_XLA_FLAGS == (
         "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# weight residual: "master" (re-quantize in backward) against "fp8" (keep forward's codes)
+
+WEIGHT_OPTIONS = fp8_ops.WEIGHT_RESIDUALS
+PALLAS_INTERPRET = FP8Config(implementation="pallas", interpret=True)
+
+
+def _assert_identical(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and la
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def _two_linears(config, policy="none"):
+    """``fp8_linear`` twice (a tuple of weights, then a single one) with a SiLU between, under
+    ``jax.checkpoint`` with a named remat policy of coat_jax.llama."""
+    from coat_jax.llama import REMAT_POLICIES
+
+    def block(ws, x):
+        a, b = fp8_ops.fp8_linear(x, (ws[0], ws[1]), config)
+        return fp8_ops.fp8_linear(jax.nn.silu(a) * b, ws[2], config)
+
+    if policy == "none":
+        return block
+    return jax.checkpoint(block, policy=REMAT_POLICIES[policy])
+
+
+def _block_args():
+    keys = jax.random.split(jax.random.key(21), 4)
+    x = jax.random.normal(keys[0], (2, 16, 64), jnp.bfloat16)
+    ws = (
+        0.05 * jax.random.normal(keys[1], (64, 96)),
+        (0.05 * jax.random.normal(keys[2], (64, 96))).astype(jnp.bfloat16),
+        0.05 * jax.random.normal(keys[3], (96, 48)),
+    )
+    return ws, x
+
+
+def _weight_codes_kept(fn, *args):
+    """Residuals of ``jax.vjp(fn, ws, x)`` that are FP8 and depend on the weights only."""
+    kept = residuals(fn, *args, param_argnums=(0,))
+    return sorted(r.shape for r in kept if not r.is_activation and r.dtype in FP8_DTYPES)
+
+
+@pytest.mark.parametrize(
+    "base,policy",
+    [(XLA, p) for p in ("none", "full", "attention", "activations")]
+    + [(PALLAS_INTERPRET, "activations")],
+    ids=["xla-none", "xla-full", "xla-attention", "xla-activations", "pallas-activations"],
+)
+def test_weight_residual_fp8_is_bit_identical_to_master(base, policy):
+    ws, x = _block_args()
+    outs = {}
+    for option in WEIGHT_OPTIONS:
+        config = dataclasses.replace(base, weight_residual=option)
+        block = _two_linears(config, policy)
+
+        def loss(ws, x, block=block):
+            y = block(ws, x)
+            c = jax.random.normal(jax.random.key(7), y.shape, jnp.float32)
+            return jnp.sum(y.astype(jnp.float32) * c)
+
+        outs[option] = (jax.jit(block)(ws, x), jax.jit(jax.grad(loss, (0, 1)))(ws, x))
+    _assert_identical(outs["master"], outs["fp8"])
+    y, (gw, gx) = outs["fp8"]
+    assert [g.dtype for g in gw] == [w.dtype for w in ws] and gx.dtype == x.dtype
+    # Both really quantize: the output differs from the plain BF16 block's by an FP8 amount.
+    a, b = fp8_ops.linear(x, ws[:2])
+    err = rel_err(y, fp8_ops.linear(jax.nn.silu(a) * b, ws[2]))
+    assert 1e-3 < err < 0.1, err
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "attention", "activations"])
+def test_what_backward_keeps_of_the_weights(policy):
+    ws, x = _block_args()
+    weight_shapes = sorted(w.shape for w in ws)
+    kept = {
+        option: _weight_codes_kept(
+            _two_linears(FP8Config(implementation="xla", weight_residual=option), policy), ws, x
+        )
+        for option in WEIGHT_OPTIONS
+    }
+    # "master" keeps no FP8 weight: backward re-quantizes the master weights it references.
+    assert kept["master"] == []
+    master = residuals(
+        _two_linears(FP8Config(implementation="xla"), "none"), ws, x, param_argnums=(0,)
+    )
+    master_kept = sorted(r.shape for r in master if not r.is_activation and len(r.shape) == 2)
+    assert master_kept == weight_shapes
+    # "fp8" keeps forward's codes of every weight where the policy saves WEIGHT-tagged values
+    # (no remat, and "activations"); "full" and "attention" recompute them in backward.
+    expected = weight_shapes if policy in ("none", "activations") else []
+    assert kept["fp8"] == expected, kept
+
+
+def test_fp8_weight_codes_carry_their_own_checkpoint_name():
+    ws, x = _block_args()
+    block = _two_linears(FP8Config(implementation="xla", weight_residual="fp8"))
+    save = jax.checkpoint_policies.save_only_these_names
+    by_name = {
+        name: _weight_codes_kept(jax.checkpoint(block, policy=save(name)), ws, x)
+        for name in (fp8_ops.WEIGHT, fp8_ops.ACTIVATION)
+    }
+    assert by_name[fp8_ops.WEIGHT] == sorted(w.shape for w in ws)
+    assert by_name[fp8_ops.ACTIVATION] == []
+
+
+def _weight_quantizations(config, ws, x) -> int:
+    """How many E4M3 arrays of a weight's shape the jaxpr of forward + backward makes (XLA
+    quantizer: one ``convert_element_type`` to float8 per quantized weight)."""
+    shapes = {w.shape for w in ws}
+    count = 0
+
+    def walk(jx):
+        nonlocal count
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "convert_element_type":
+                out = eqn.outvars[0].aval
+                count += out.dtype == jnp.float8_e4m3fn and out.shape in shapes
+            for sub in _sub_jaxprs(eqn.params.values()):
+                walk(sub)
+
+    loss = lambda ws, x: jnp.sum(_two_linears(config)(ws, x).astype(jnp.float32))
+    walk(jax.make_jaxpr(jax.grad(loss, (0, 1)))(ws, x).jaxpr)
+    return count
+
+
+def test_fp8_weight_residual_quantizes_each_weight_once():
+    ws, x = _block_args()
+    counts = {
+        option: _weight_quantizations(
+            FP8Config(implementation="xla", weight_residual=option), ws, x
+        )
+        for option in WEIGHT_OPTIONS
+    }
+    assert counts == {"master": 2 * len(ws), "fp8": len(ws)}, counts
+
+
+def test_weight_quantizer_is_the_weight_path():
+    # fp8_linear quantizes weights with _per_tensor(..., weight=True); on one device (no kernel
+    # mesh) it is the same quantizer as the activations' (bit for bit).
+    w = 0.05 * jax.random.normal(jax.random.key(22), (64, 96))
+    for config in (XLA, PALLAS_INTERPRET):
+        quantize = jax.jit(fp8_ops._per_tensor, static_argnums=(1, 2), static_argnames="weight")
+        _assert_identical(quantize(w, "e4m3", config, weight=True), quantize(w, "e4m3", config))
+    calls = []
+    original = fp8_ops._per_tensor
+
+    def spy(x, fmt, config, *, weight=False):
+        calls.append((x.shape, weight))
+        return original(x, fmt, config, weight=weight)
+
+    ws, x = _block_args()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_ops, "_per_tensor", spy)
+        for option in WEIGHT_OPTIONS:
+            config = FP8Config(implementation="xla", weight_residual=option)
+            loss = lambda ws, x, c=config: jnp.sum(_two_linears(c)(ws, x).astype(jnp.float32))
+            jax.make_jaxpr(jax.grad(loss))(ws, x)  # tracing calls the quantizers
+    weight_calls = [c for c in calls if c[0] in {w.shape for w in ws}]
+    assert weight_calls and all(weight for _, weight in weight_calls), calls
+
+
+FSDP_SNIPPET = r"""
+import re
+import jax, jax.numpy as jnp, numpy as np
+from coat_jax import fp8_ops
+from coat_jax.fp8_ops import FP8Config
+from coat_jax.training import sharding
+from pallas_kernels.sharding import KernelMesh
+
+P = jax.sharding.PartitionSpec
+mesh = sharding.make_mesh(1, 4)
+kmesh = KernelMesh(mesh)
+x = jax.random.normal(jax.random.key(0), (8, 16, 64), jnp.bfloat16)
+w = 0.05 * jax.random.normal(jax.random.key(1), (64, 1024)).at[3, 900].set(-0.9)
+spec = kmesh.param_spec(w.shape)
+assert spec == P(None, "fsdp"), spec  # columns split: the activation rule would split rows
+xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(("data", "fsdp"))))
+ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, spec))
+
+
+def step(config):
+    loss = lambda x, w: jnp.sum(fp8_ops.fp8_linear(x, w, config).astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+
+def relayouts(hlo):
+    # Collectives that move the float32 weight between layouts before it is quantized. (The
+    # GEMMs' all-gathers are of the codes; the CPU backend converts them to float32 first.)
+    return re.findall(r" (all-to-all|collective-permute)(?:-start)?\(", hlo)
+
+
+pallas = dict(implementation="pallas", interpret=True)
+results = {}
+for option in fp8_ops.WEIGHT_RESIDUALS:
+    on_mesh = step(FP8Config(mesh=kmesh, weight_residual=option, **pallas))
+    hlo = on_mesh.lower(xs, ws).compile().as_text()
+    assert relayouts(hlo) == [], (option, relayouts(hlo))
+    (v, (gx, gw)) = on_mesh(xs, ws)
+    (v1, (gx1, gw1)) = step(FP8Config(weight_residual=option, **pallas))(x, w)
+    assert np.asarray(v) == np.asarray(v1) and np.array_equal(gx, gx1), option
+    np.testing.assert_allclose(gw, gw1, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(gw1))))
+    results[option] = (v, gx, gw)
+for a, b in zip(results["master"], results["fp8"]):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+# The check can fail: quantizing the weight by the activation rule (rows over the batch axes)
+# re-lays the float32 weight out first.
+original = fp8_ops._per_tensor
+fp8_ops._per_tensor = lambda x, fmt, config, weight=False: original(x, fmt, config)
+hlo = step(FP8Config(mesh=kmesh, **pallas)).lower(xs, ws).compile().as_text()
+assert relayouts(hlo), "the activation rule re-laid out no float32 weight"
+print("ok")
+"""
+
+
+def test_fsdp_weight_is_quantized_on_its_shards():
+    from tests.fake_devices import run_on_fake_devices
+
+    assert run_on_fake_devices(FSDP_SNIPPET, devices=4, timeout=240).strip().endswith("ok")
+
+
+def test_weight_residual_is_checked():
+    with pytest.raises(ValueError, match=r"weight_residual='bf16'.*\['master', 'fp8'\]"):
+        FP8Config(weight_residual="bf16")

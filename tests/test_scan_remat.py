@@ -13,6 +13,7 @@ from flax import nnx
 
 from coat_jax import llama
 from coat_jax.checkpoint_io import from_pretrained, save_pretrained
+from coat_jax.fp8_ops import WEIGHT_RESIDUALS, FP8Config
 from coat_jax.memory import residuals
 
 CFG = llama.LlamaConfig(
@@ -259,3 +260,86 @@ def test_init_takes_the_key_as_an_argument_and_lowers_without_weight_constants()
         for m in re.finditer(r"stablehlo\.constant dense<[^>]*> : tensor<([0-9x]*)", text)
     ]
     assert max(sizes, default=0) < 4096, max(sizes)
+
+
+# ----------------------------------------------------------------------------- FP8 weight codes
+
+
+def _with_weight_residual(option, precision="coat", **kw):
+    fp8_config = FP8Config(weight_residual=option)
+    return llama.Llama(CFG, precision=precision, rngs=nnx.Rngs(0), fp8_config=fp8_config, **kw)
+
+
+# Every policy at the op level is in tests/test_fp8_ops.py; "attention" treats the weight codes
+# as "full" does (recomputed in backward).
+@pytest.mark.parametrize(
+    "scan,remat", [(True, "none"), (True, "full"), (True, "activations"), (False, "activations")]
+)
+def test_fp8_weight_residual_gives_bit_identical_logits_and_gradients(scan, remat):
+    tokens = _tokens()
+    out = {}
+    for option in WEIGHT_RESIDUALS:
+        model = _with_weight_residual(option, scan_layers=scan, remat=remat)
+        graphdef, state = nnx.split(model)
+
+        def loss(state, graphdef=graphdef):
+            logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
+            return jnp.mean(nll), logits
+
+        out[option] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+    leaves = [jax.tree.leaves(out[o]) for o in WEIGHT_RESIDUALS]
+    assert len(leaves[0]) == len(leaves[1]) > 3
+    for a, b in zip(*leaves, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _weight_codes_kept(option, remat, *, scan=True):
+    """The E4M3 residuals of the model's vjp that have a projection weight's shape (3 x 32
+    tokens: no activation has such a shape)."""
+    model = _with_weight_residual(option, scan_layers=scan, remat=remat)
+    graphdef, state = nnx.split(model)
+    res = residuals(lambda s, x: nnx.merge(graphdef, s)(x).sum(), state, _tokens(3, 32))
+    weights = set(_projection_shapes(scan))
+    return sorted(
+        r.shape
+        for r in res
+        if jnp.dtype(r.dtype) == jnp.float8_e4m3fn and tuple(r.shape) in weights
+    )
+
+
+def _projection_shapes(stacked: bool):
+    d, f = CFG.hidden_size, CFG.intermediate_size
+    kv = CFG.num_key_value_heads * CFG.head_dim
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]
+    if stacked:
+        return sorted((CFG.num_hidden_layers, *s) for s in shapes)
+    return sorted(shapes * CFG.num_hidden_layers)
+
+
+@pytest.mark.parametrize("remat", tuple(llama.REMAT_POLICIES))
+def test_backward_keeps_fp8_weight_codes_only_with_fp8(remat):
+    assert _weight_codes_kept("master", remat) == []
+    # "activations" (and no remat) keep the WEIGHT-tagged codes of all seven projections of
+    # every layer, stacked by the scan; "full" and "attention" recompute them in backward.
+    expected = _projection_shapes(True) if remat in ("none", "activations") else []
+    assert _weight_codes_kept("fp8", remat) == expected
+
+
+def test_unrolled_layers_keep_each_layers_codes():
+    assert _weight_codes_kept("fp8", "activations", scan=False) == _projection_shapes(False)
+    assert _weight_codes_kept("master", "none", scan=False) == []
+
+
+def test_trainer_key_sets_the_weight_residual():
+    from coat_jax.training import load_config
+    from coat_jax.training.loop import model_def_for
+
+    for option in WEIGHT_RESIDUALS:
+        cfg = load_config(None, [f"fp8_weight_residual={option}", "precision=coat"])
+        model_def = model_def_for(cfg.model, cfg)
+        model = nnx.merge(model_def.graphdef, model_def.abstract_state)
+        assert model.fp8_config.weight_residual == option
+    with pytest.raises(ValueError, match="fp8_weight_residual=fp8 needs precision fp8 or coat"):
+        load_config(None, ["fp8_weight_residual=fp8", "precision=bf16"])

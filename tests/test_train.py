@@ -26,28 +26,11 @@ import pytest
 
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
+from tests.tiny_runs import tiny_run
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY = [
-    "model.vocab_size=258",
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_key_value_heads=2",
-    "model.head_dim=16",
-    "seq_len=32",
-    "batch_size=8",
-    "warmup_steps=2",
-    "learning_rate=3e-3",
-    "log_every=1",
-    "eval_every=1000",
-    "eval_batches=2",
-    "checkpoint_every=1000",
-    "progress_bar=false",
-    "sample_prompt=null",
-]
+TINY = [*tiny_run(), "learning_rate=3e-3", "eval_batches=2"]
 
 
 @pytest.fixture(scope="module")
@@ -381,9 +364,11 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(good_run, tmp_path, cache_
 
 
 def test_fsdp_spec_picks_the_largest_divisible_axis():
-    assert fsdp_spec((64, 128), 4) == jax.sharding.PartitionSpec(None, "fsdp")
+    # The last axis only counts when each shard holds whole 128-value groups.
+    assert fsdp_spec((64, 1024), 4) == jax.sharding.PartitionSpec(None, "fsdp")
+    assert fsdp_spec((64, 128), 4) == jax.sharding.PartitionSpec("fsdp", None)
     assert fsdp_spec((128, 128), 4) == jax.sharding.PartitionSpec("fsdp", None)
-    assert fsdp_spec((258, 64), 4) == jax.sharding.PartitionSpec(None, "fsdp")
+    assert fsdp_spec((258, 64), 4) == jax.sharding.PartitionSpec()
     assert fsdp_spec((6,), 4) == jax.sharding.PartitionSpec()
     assert fsdp_spec((64, 128), 1) == jax.sharding.PartitionSpec()
 
@@ -475,16 +460,16 @@ def test_eight_devices_match_one(tmp_path, cache_dir):
     # statistics (shape p.shape[:-1] + (groups,)) keep it where the split axis divides.
     specs = report["coat_specs"]
     assert specs["['params']['q_proj']"] == ["float32", [64, 64], ["fsdp", None]]
-    assert specs["['params']['up_proj']"] == ["float32", [64, 128], [None, "fsdp"]]
+    assert specs["['params']['up_proj']"] == ["float32", [64, 128], ["fsdp", None]]
     assert specs["['params']['lm_head']"] == ["float32", [64, 258], ["fsdp", None]]
     for field in ("mu_codes", "nu_codes"):
         codes = {k.rsplit("[", 1)[1]: v for k, v in specs.items() if f".{field}[" in k}
         assert codes["'q_proj']"] == ["float8_e4m3fn", [64, 64], ["fsdp", None]]
-        assert codes["'up_proj']"] == ["float8_e4m3fn", [64, 128], [None, "fsdp"]]
+        assert codes["'up_proj']"] == ["float8_e4m3fn", [64, 128], ["fsdp", None]]
     for field in ("mu_scale", "mu_expand", "mu_center", "nu_scale"):
         stats = {k.rsplit("[", 1)[1]: v for k, v in specs.items() if f".{field}[" in k}
         assert stats["'q_proj']"] == ["float32", [64, 1], ["fsdp", None]]
-        assert stats["'up_proj']"] == ["float32", [64, 1], [None, None]]  # 1 group: not split
+        assert stats["'up_proj']"] == ["float32", [64, 1], ["fsdp", None]]
         assert stats["'lm_head']"] == ["float32", [64, 3], ["fsdp", None]]
 
 

@@ -14,17 +14,27 @@ is deterministic (no dropout; FP8 casts round to nearest) and the data order is 
 of ``(seed, data position)``. The seed and the data position therefore restore it exactly, and a
 resume with another seed is refused.
 
+Saves are asynchronous (Orbax's async checkpointing): :meth:`Checkpointer.save` returns once
+the arrays are copied off the device and the files are written in the background while training
+goes on; at most one save is in flight, the next one (and :meth:`Checkpointer.wait`) waits for
+it, and a failed write is raised there with its reason. Before a save the state is checked to be
+finite (one jitted program for the whole tree, with the checksums; nothing non-finite is ever
+written) and the free space of the target against the state's size.
+
 Orbax writes a step into a temporary directory and renames it when complete, so a crash mid-save
-never leaves a checkpoint that looks whole. Restoring checks the fingerprint and the leaf shapes
-before reading any array, and the checksums after, and raises :class:`CheckpointError` naming
-what differs; a step that cannot be read is reported, never skipped in favour of an older one.
+never leaves a checkpoint that looks whole; such leftovers are removed when the next trainer
+opens the directory. Restoring checks the fingerprint and the leaf shapes before reading any
+array, and the checksums after, and raises :class:`CheckpointError` naming what differs; a step
+that cannot be read is reported, never skipped in favour of an older one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +43,19 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from coat_jax.training.errors import DivergedError
+
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or belongs to a different run set-up."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (no space, a failed write); older ones are intact."""
+
+
+# Orbax writes step N into "N.orbax-checkpoint-tmp..." and renames it when complete.
+_INCOMPLETE_MARK = ".orbax-checkpoint-tmp"
 
 
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -55,18 +75,46 @@ def _checksum(x) -> jax.Array:
     return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
 
 
+def _all_finite(x) -> jax.Array:
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.array(True)
+    return jnp.all(jnp.isfinite(x))
+
+
 # One program for the whole tree, not one per leaf: on sharded leaves each checksum ends in a
 # cross-device reduction, and hundreds of small collective programs in flight at once stalled
 # XLA:CPU on 8 fake devices (7 of 8 threads reached an all-reduce; FP8 optimizer states have
 # four leaves per moment, so they hit it first).
 _tree_checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
+# Before a save: the checksums and every leaf's finiteness, one program and one transfer.
+_save_summary = jax.jit(
+    lambda tree: (
+        jax.tree.map(_checksum, tree),
+        jnp.stack([_all_finite(x) for x in jax.tree.leaves(tree)]),
+    )
+)
+
+
+def _by_keypath(sums) -> dict[str, list[int]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(sums)
+    return {jax.tree_util.keystr(path): [int(v) for v in leaf] for path, leaf in flat}
 
 
 def leaf_checksums(tree) -> dict[str, list[int]]:
     """``{keypath: [sum, weighted sum]}`` of every leaf's bits, for detecting corrupt files."""
-    sums = jax.device_get(_tree_checksums(tree))
-    flat, _ = jax.tree_util.tree_flatten_with_path(sums)
-    return {jax.tree_util.keystr(path): [int(v) for v in leaf] for path, leaf in flat}
+    return _by_keypath(jax.device_get(_tree_checksums(tree)))
+
+
+def state_bytes(tree) -> int:
+    """Bytes of a pytree's arrays (or ShapeDtypeStructs): a checkpoint's size before compression."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def leaf_signature(tree) -> dict[str, list]:
@@ -78,51 +126,219 @@ def leaf_signature(tree) -> dict[str, list]:
     }
 
 
+class _DropOrbaxTracebacks(logging.Filter):
+    """Drops the tracebacks Orbax's background threads log for a failed write.
+
+    :meth:`Checkpointer.wait` raises the same error with the step and what to do; a traceback
+    per Orbax thread before it would bury that line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "orbax" in record.pathname)
+
+
+def _quiet_orbax() -> None:
+    absl = logging.getLogger("absl")
+    # Orbax logs every save at INFO through absl; that would break the progress bar's line.
+    absl.setLevel(logging.WARNING)
+    if not any(isinstance(f, _DropOrbaxTracebacks) for f in absl.filters):
+        absl.addFilter(_DropOrbaxTracebacks())
+
+
 class Checkpointer:
     """Saves and restores training state under ``<output_dir>/checkpoints``.
 
     ``fingerprint`` describes the run set-up (JSON-able); it is stored with every save and a
-    restore refuses a checkpoint whose fingerprint differs.
+    restore refuses a checkpoint whose fingerprint differs. Saves are asynchronous unless
+    ``asynchronous=False``; :meth:`steps` lists only complete checkpoints.
     """
 
-    def __init__(self, output_dir: str | Path, *, keep: int, fingerprint: dict[str, Any]):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        keep: int,
+        fingerprint: dict[str, Any],
+        asynchronous: bool = True,
+    ):
         self.directory = Path(output_dir).expanduser().resolve() / "checkpoints"
         self.fingerprint = json.loads(json.dumps(fingerprint))
-        # Orbax logs every save at INFO through absl; that would break the progress bar's line.
-        logging.getLogger("absl").setLevel(logging.WARNING)
+        self.keep = keep
+        # Saves a killed trainer left half-written; Orbax removes them as it opens the directory
+        # (the output_dir's lock file guarantees no other trainer is writing them).
+        self.removed_incomplete = (
+            sorted(p.name for p in self.directory.glob(f"*{_INCOMPLETE_MARK}*"))
+            if self.directory.is_dir()
+            else []
+        )
+        _quiet_orbax()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, enable_async_checkpointing=False
+                max_to_keep=keep,
+                create=True,
+                enable_async_checkpointing=asynchronous,
+                cleanup_tmp_directories=True,
             ),
         )
+        self._in_flight: int | None = None
 
     def steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
+        """The complete checkpoints' steps (not the one being written)."""
+        return sorted(s for s in self._manager.all_steps() if s != self._in_flight)
 
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state, *, data_position: int, seed: int) -> None:
-        """Writes ``state`` as step ``step``; a step already on disk is left untouched."""
+    def newest(self) -> str:
+        """A phrase naming the newest complete checkpoint, for error messages."""
+        step = self.latest_step()
+        if step is None:
+            return f"there is no complete checkpoint in {str(self.directory)!r}"
+        return (
+            f"the newest complete checkpoint is step {step} in {str(self.directory)!r} "
+            "(resume=true continues from it)"
+        )
+
+    def save(
+        self,
+        step: int,
+        state,
+        *,
+        data_position: int,
+        seed: int,
+        schedule_steps: int | None = None,
+        skipped_steps: int = 0,
+    ) -> str | None:
+        """Starts writing ``state`` as step ``step``; a step already saved is left untouched.
+
+        Waits for the save in flight first (at most one), checks that every leaf of ``state``
+        is finite and that the target has room for it, and returns once Orbax holds a host
+        copy of the arrays: ``state`` may then be donated to the next step.
+
+        Args:
+          step, data_position, seed: where the run is; restored by :meth:`restore`.
+          state: the pytree ``{"params", "opt_state"}``.
+          schedule_steps: the length of the run's learning-rate schedule (kept on resume).
+          skipped_steps: how many non-finite steps the run has skipped so far.
+
+        Returns:
+          A warning for the log when the next checkpoint will not fit, else None.
+
+        Raises:
+          DivergedError: ``state`` holds a non-finite value; nothing is written.
+          CheckpointSaveError: the previous save failed, or there is not enough free space.
+        """
+        self.wait()
         if step in self._manager.all_steps():
-            return
+            return None
+        sums, finite = jax.device_get(_save_summary(state))
+        if not np.all(finite):
+            paths = [
+                jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+            ]
+            bad = [path for path, ok in zip(paths, finite, strict=True) if not ok]
+            raise DivergedError(
+                f"the training state at step {step} holds non-finite values ({len(bad)} "
+                f"array(s), e.g. state{bad[0]}); not saving it, and {self.newest()}; lower "
+                "learning_rate or set skip_nonfinite_steps"
+            )
+        need, free = self._room(
+            state,
+            f"checkpoint step {step}",
+            f"{self.newest()}; free space there, lower keep_checkpoints or point output_dir at "
+            "a larger disk",
+        )
         meta = {
             "step": int(step),
             "data_position": int(data_position),
             "seed": int(seed),
             "fingerprint": self.fingerprint,
             "leaves": leaf_signature(state),
-            "checksums": leaf_checksums(state),
+            "checksums": _by_keypath(sums),
+            "schedule_steps": schedule_steps,
+            "skipped_steps": int(skipped_steps),
         }
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+        except Exception as e:
+            self._remove_incomplete(step)
+            raise self._failed(step, e) from e
+        self._in_flight = step
+        # Once this save is complete the oldest one beyond `keep` is deleted, giving its space
+        # back; until `keep` checkpoints exist each save takes space for good.
+        after = free - need + (need if len(self.steps()) + 1 > self.keep else 0)
+        if after < need:
+            return (
+                f"warning: after checkpoint step {step} about {_fmt_bytes(after)} will be free "
+                f"in {str(self.directory)!r}, less than the next checkpoint needs "
+                f"({_fmt_bytes(need)}); free space there or lower keep_checkpoints"
+            )
+        return None
+
+    def check_room(self, abstract_state) -> None:
+        """Refuses to start a run whose checkpoints cannot fit: the free space of the target
+        against the size of one, from the state's shapes and dtypes.
+
+        Raises:
+          CheckpointSaveError: less free space than one checkpoint needs.
+        """
+        self._room(
+            abstract_state,
+            "a checkpoint",
+            "free space there or point output_dir at a larger disk (or, to train without "
+            "checkpoints, set save_final=false and checkpoint_every above steps)",
         )
-        self._manager.wait_until_finished()
+
+    def _room(self, state, what: str, advice: str) -> tuple[int, int]:
+        """``(bytes state needs, bytes free)`` at the target; raises if they do not fit."""
+        need = state_bytes(state)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise CheckpointSaveError(
+                f"not enough free space for {what} in {str(self.directory)!r}: it needs about "
+                f"{_fmt_bytes(need)} (the state's size) and {_fmt_bytes(free)} is free; {advice}"
+            )
+        return need, free
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is written.
+
+        Raises:
+          CheckpointSaveError: it failed (with Orbax's reason); its partial files are removed
+            and the older checkpoints are intact.
+        """
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._remove_incomplete(step)
+            raise self._failed(step, e) from e
+
+    def _failed(self, step: int, error: Exception) -> CheckpointSaveError:
+        return CheckpointSaveError(
+            f"writing checkpoint step {step} in {str(self.directory)!r} failed: "
+            f"{type(error).__name__}: {error}; {self.newest()}; check the disk (free space, "
+            "permissions) and continue"
+        )
+
+    def _remove_incomplete(self, step: int) -> None:
+        for path in self.directory.glob(f"{step}{_INCOMPLETE_MARK}*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def delete_all(self) -> None:
+        """Deletes every checkpoint (``overwrite=true``: a new run replaces the old one)."""
+        self.wait()
+        for step in self.steps():
+            self._manager.delete(step)
 
     def _where(self, step: int) -> str:
         return f"checkpoint step {step} in {str(self.directory)!r}"
@@ -219,7 +435,11 @@ class Checkpointer:
             raise CheckpointError(f"{where} does not match this run:\n  " + "\n  ".join(problems))
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for the save in flight (raising :class:`CheckpointSaveError` if it failed)."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
 
 # One key of a `jax.tree_util.keystr` path of a pure dict: ['name'] or [0].
@@ -264,7 +484,7 @@ def read_params(output_dir: str | Path, step: int | None = None) -> tuple[dict, 
         raise CheckpointError(
             f"{str(directory)!r} does not exist; give the output_dir of a train.py run"
         )
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    _quiet_orbax()
     with ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(create=False)
     ) as manager:

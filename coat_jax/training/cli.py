@@ -24,13 +24,19 @@ DESCRIPTIONS = {
     "steps": "optimizer steps of the whole run (a resumed run stops at the same total)",
     "output_dir": "where checkpoints, metrics.jsonl, config.yaml and loss_curve.png go",
     "resume": "continue from the newest checkpoint in output_dir (else such a dir is refused)",
+    "reschedule": "on resume, spread the learning-rate schedule over the new steps (default: "
+    "keep the original run's)",
+    "overwrite": "start a new run in an output_dir holding another run's files, deleting them",
     "seed": "seed of the initialization and of the data order",
     # Model.
     "precision": "bf16: plain ops; fp8: FP8 linear layers; coat: COAT's full FP8 flow",
     "compute_dtype": "dtype of activations and attention",
     "fp8_attention": "keep attention's q, k, v in FP8 for backward (fp8 and coat precision)",
+    "fp8_weight_residual": "master: backward re-quantizes weights; fp8: keeps forward's FP8 codes",
     "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
+    "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh); xla: jnp; pallas; "
+    "interpret: auto in Pallas interpret mode (CPU tests, slow)",
     "init_from": "HF/coat-jax folder or .gguf to start from (pkg:PACKAGE/FILE looks in a package)",
     "model.vocab_size": "vocabulary size (at least the tokenizer's)",
     "model.hidden_size": "width of the residual stream",
@@ -51,6 +57,8 @@ DESCRIPTIONS = {
     "tokenizer": "byte (UTF-8 bytes, 258 ids), init_from (its checkpoint's) or a tokenizer path",
     "cache_dir": "where tokenized data is cached (keyed by corpus and tokenizer)",
     "val_fraction": "share of each document's tokens held out for validation",
+    "val_documents": "comma-separated document names held out whole for validation (the "
+    "split by document; val_fraction is then unused); null: val_fraction of each document",
     "seq_len": "tokens per training sequence",
     "batch_size": "sequences per microbatch, across all devices",
     "grad_accum": "microbatches averaged into one optimizer step",
@@ -72,11 +80,17 @@ DESCRIPTIONS = {
     # Bookkeeping.
     "log_every": "steps between metrics.jsonl records (each averages the losses since the last)",
     "eval_every": "steps between validation losses",
+    "eval_at_start": "also evaluate the starting weights, logged as step 0 (a fine-tune's before)",
     "eval_batches": "batches per validation loss",
-    "checkpoint_every": "steps between checkpoints (one is also written at the end and on signals)",
+    "checkpoint_every": "steps between checkpoints (also one at the end, unless save_final=false, "
+    "and on signals)",
     "keep_checkpoints": "how many recent checkpoints to keep",
+    "save_final": "write a checkpoint at the end of the run (false: only periodic and on signals)",
+    "skip_nonfinite_steps": "skip up to this many steps with a non-finite gradient, then stop "
+    "(0: stop at the first)",
     "progress_bar": "show a tqdm progress bar (false: plain log lines)",
     "tensorboard": "write metrics.jsonl's records to <output_dir>/tensorboard too (needs tensorboardX)",
+    "telemetry": "log the FP8 optimizer state's error, saturation, clip counts (docs/telemetry.md)",
     "sample_prompt": "prompt of the short sample printed at the end of a run (null: no sample)",
     "sample_tokens": "tokens the end-of-run sample generates",
     "compilation_cache_dir": "JAX's persistent compilation cache (null: off)",

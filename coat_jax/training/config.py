@@ -55,7 +55,10 @@ class TrainConfig:
     Keys whose meaning is not obvious from the name:
 
     - ``resume``: continue from the newest checkpoint in ``output_dir``. Without it a run
-      refuses an ``output_dir`` that already holds checkpoints.
+      refuses an ``output_dir`` that already holds another run's checkpoints or metrics
+      (``overwrite: true`` deletes them and starts anew). A resume keeps the learning-rate
+      schedule of the checkpoint's run even when ``steps`` changes, unless
+      ``reschedule: true`` spreads it over the new ``steps``.
     - ``init_from``: a Hugging Face Llama folder, a coat-jax folder or a ``.gguf`` file
       (``pkg:PACKAGE/FILE`` finds a file inside an installed package). Its architecture
       replaces the ``model`` section, which only describes models trained from scratch.
@@ -68,10 +71,17 @@ class TrainConfig:
       ``coat_jax.llama.REMAT_POLICIES`` (``none``, ``full``, ``attention``, ``activations``).
     - ``fp8_attention``: keep attention's q, k, v in FP8 for backward (``Llama(fp8_attention=)``;
       precision ``fp8`` or ``coat``).
+    - ``fp8_weight_residual``: what the FP8 linears keep of their weights for backward
+      (``FP8Config.weight_residual``): ``master`` re-quantizes the master weight in backward,
+      ``fp8`` keeps forward's E4M3 codes (1 byte per weight; docs/memory_options.md).
     - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
       and their gradients; the optimizer still computes in float32 and each update is applied
       with stochastic rounding (``coat_jax.master``). An option, not a default: see
       docs/memory_options.md for its accuracy evidence.
+    - ``kernels``: where coat_adamw's step and the FP8 ops' quantizers and fused non-linear ops
+      run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh; plain jnp elsewhere),
+      ``xla`` (plain jnp), ``pallas`` (the kernels, an error where one cannot run) or
+      ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
     - ``loss_chunk_size``: compute the cross-entropy in blocks of this many positions
       (``coat_jax.losses.cross_entropy_from_hidden``) instead of materialising the
       ``[batch, seq, vocab]`` float32 logits; ``null``: the plain loss.
@@ -80,16 +90,24 @@ class TrainConfig:
       ``batch_size * grad_accum * seq_len`` tokens.
     - ``min_lr_ratio``: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
     - ``grad_clip``: global-norm clipping threshold, ``null`` for none.
+    - ``skip_nonfinite_steps``: a step whose gradient is not finite leaves the parameters and
+      the optimizer state as they were (``coat_jax.training.optimizers.skip_nonfinite``); the
+      run stops (exit code 3) at the step that would make one more than this many. 0: stop at
+      the first.
     - ``decay_norms_and_embeddings``: weight decay on every parameter instead of on matrices
       other than the embedding only.
     - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
+    - ``telemetry``: add the optimizer state's quantization telemetry to every metrics record
+      (``coat_jax.training.telemetry``, docs/telemetry.md).
     """
 
     # Run.
     steps: int = 600
     output_dir: str = "runs/default"
     resume: bool = False
+    reschedule: bool = False
+    overwrite: bool = False
     seed: int = 0
     # Model.
     precision: Literal["bf16", "fp8", "coat"] = "coat"
@@ -99,13 +117,16 @@ class TrainConfig:
     scan_layers: bool = False
     remat: RematName = "none"
     fp8_attention: bool = False
+    fp8_weight_residual: Literal["master", "fp8"] = "master"
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
+    kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
     # Data.
     data_path: str = "data/public_domain_en.tar.xz"
     tokenizer: str = "byte"
     cache_dir: str = "~/.cache/coat_jax/tokens"
     val_fraction: float = 0.005
+    val_documents: str | None = None
     seq_len: int = 128
     batch_size: int = 16
     grad_accum: int = 1
@@ -135,10 +156,14 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
+    save_final: bool = True
+    skip_nonfinite_steps: int = 0
     progress_bar: bool = True
     tensorboard: bool = False
+    telemetry: bool = False
     sample_prompt: str | None = "It is a truth"
     sample_tokens: int = 64
+    eval_at_start: bool = False
     compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
@@ -181,14 +206,44 @@ class TrainConfig:
                 "fp8_state=true wraps an optax optimizer, but coat_adamw already keeps FP8 "
                 "moments; use optimizer=adamw fp8_state=true, or fp8_state=false"
             )
+        if self.fp8_weight_residual != "master" and self.precision == "bf16":
+            raise ValueError(
+                f"fp8_weight_residual={self.fp8_weight_residual} needs precision fp8 or coat "
+                "(precision bf16 has no FP8 weights); set fp8_weight_residual=master"
+            )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.val_documents is not None and not [
+            n for n in self.val_documents.split(",") if n.strip()
+        ]:
+            raise ValueError(
+                "val_documents must name documents (comma-separated, e.g. "
+                "austen/persuasion.txt) or be null (a val_fraction of every document)"
+            )
         for name in ("data", "fsdp"):
             size = getattr(self.mesh, name)
             if size == 0 or size < -1:
                 raise ValueError(f"mesh.{name} must be a positive size or -1 (all), got {size}")
         if self.mesh.data == -1 and self.mesh.fsdp == -1:
             raise ValueError("at most one of mesh.data and mesh.fsdp may be -1")
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "resume=true continues the run in output_dir and overwrite=true deletes it; "
+                "pass only one of them"
+            )
+        if self.skip_nonfinite_steps < 0:
+            raise ValueError(
+                f"skip_nonfinite_steps must be >= 0 (0: stop at the first), got "
+                f"{self.skip_nonfinite_steps}"
+            )
+        # With init_from the architecture, max_position_embeddings included, is the
+        # checkpoint's; the trainer checks it once it has read it.
+        if self.init_from is None and self.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"seq_len={self.seq_len} is longer than model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}; lower seq_len or raise "
+                "model.max_position_embeddings"
+            )
 
     @property
     def tokens_per_step(self) -> int:

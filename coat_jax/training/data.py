@@ -2,7 +2,7 @@
 
 Every document is tokenized and followed by the tokenizer's end-of-sequence id; the last
 ``val_fraction`` of each document's tokens goes to validation, so every source is represented in
-both splits. The token streams are written once to ``<cache_dir>/<key>/{train,val}.bin`` (raw
+both splits, or (``val_documents``) whole documents are held out for validation. The token streams are written once to ``<cache_dir>/<key>/{train,val}.bin`` (raw
 uint16 or uint32, read back with ``np.memmap``); the key hashes the source bytes, the tokenizer and
 the split, so a changed corpus or tokenizer never reuses a stale cache.
 
@@ -99,17 +99,34 @@ def resolve_path(path: str) -> Path:
     raise ValueError(f"data path {path!r} does not exist (looked for {tried})")
 
 
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"data file {where} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to "
+            "UTF-8 or leave it out of data_path"
+        ) from None
+
+
 def read_documents(path: Path) -> list[tuple[str, str]]:
-    """Reads ``(name, text)`` pairs from a .txt file, a directory of them, or a tar archive."""
+    """Reads ``(name, text)`` pairs from a .txt file, a directory of them, or a tar archive.
+
+    Raises:
+      ValueError: a file is not UTF-8 (the message names it), or there is no text at all.
+    """
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in (".txt", ".md"))
-        docs = [(str(f.relative_to(path)), f.read_text(encoding="utf-8")) for f in files]
+        docs = [(str(f.relative_to(path)), _utf8(f.read_bytes(), repr(str(f)))) for f in files]
     elif tarfile.is_tarfile(path):
         with tarfile.open(path) as tar:
             members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
-            docs = [(m.name, tar.extractfile(m).read().decode("utf-8")) for m in members]
+            docs = [
+                (m.name, _utf8(tar.extractfile(m).read(), f"{m.name!r} in {str(path)!r}"))
+                for m in members
+            ]
     else:
-        docs = [(path.name, path.read_text(encoding="utf-8"))]
+        docs = [(path.name, _utf8(path.read_bytes(), repr(str(path))))]
     docs = [(name, text) for name, text in docs if text.strip()]
     if not docs:
         raise ValueError(f"no text documents found in {str(path)!r}")
@@ -134,18 +151,37 @@ class TokenFiles:
     directory: Path
 
 
-def tokenize_to_cache(data_path: str, tokenizer, cache_dir: str, val_fraction: float) -> TokenFiles:
-    """Tokenizes the corpus once and memory-maps the cached train and validation token files."""
+def split_names(val_documents: str | None) -> tuple[str, ...]:
+    """The document names of a ``val_documents`` setting (comma-separated), in order."""
+    if val_documents is None:
+        return ()
+    return tuple(n.strip() for n in val_documents.split(",") if n.strip())
+
+
+def tokenize_to_cache(
+    data_path: str,
+    tokenizer,
+    cache_dir: str,
+    val_fraction: float,
+    val_documents: str | None = None,
+) -> TokenFiles:
+    """Tokenizes the corpus once and memory-maps the cached train and validation token files.
+
+    With ``val_documents`` (comma-separated document names, as :func:`read_documents` names
+    them) those documents are held out whole for validation and the others are all training
+    text: a split by document, so no validation text is ever trained on. Otherwise the last
+    ``val_fraction`` of every document is held out.
+    """
     source = resolve_path(data_path)
-    key = hashlib.sha256(
-        json.dumps(
-            [_CACHE_FORMAT, _source_digest(source), tokenizer.identity, val_fraction]
-        ).encode()
-    ).hexdigest()[:24]
+    held_out = split_names(val_documents)
+    key_parts = [_CACHE_FORMAT, _source_digest(source), tokenizer.identity, val_fraction]
+    if held_out:
+        key_parts = [*key_parts[:3], {"val_documents": list(held_out)}]
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
     root = Path(cache_dir).expanduser()
     final = root / key
     if not (final / "meta.json").exists():
-        _write_cache(source, tokenizer, val_fraction, root, final)
+        _write_cache(source, tokenizer, val_fraction, root, final, held_out)
     meta = json.loads((final / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"])
     train = np.memmap(final / "train.bin", dtype=dtype, mode="r")
@@ -155,11 +191,29 @@ def tokenize_to_cache(data_path: str, tokenizer, cache_dir: str, val_fraction: f
     return TokenFiles(train=train, val=val, directory=final)
 
 
-def _write_cache(source: Path, tokenizer, val_fraction: float, root: Path, final: Path) -> None:
+def _write_cache(
+    source: Path, tokenizer, val_fraction: float, root: Path, final: Path, held_out=()
+) -> None:
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    documents = read_documents(source)
+    names = [name for name, _ in documents]
+    missing = [n for n in held_out if n not in names]
+    if missing:
+        raise ValueError(
+            f"val_documents names {missing} not in {str(source)!r}; its documents are "
+            f"{names}; name some of them (comma-separated) or set val_documents=null"
+        )
+    if held_out and len(held_out) == len(names):
+        raise ValueError(
+            f"val_documents holds out every document of {str(source)!r}, leaving no training "
+            "text; hold out fewer"
+        )
     train_parts, val_parts = [], []
-    for _, text in read_documents(source):
+    for name, text in documents:
         ids = np.concatenate([tokenizer.encode(text), [tokenizer.eos_id]])
+        if held_out:
+            (val_parts if name in held_out else train_parts).append(ids)
+            continue
         cut = int(round(len(ids) * (1.0 - val_fraction)))
         train_parts.append(ids[:cut])
         val_parts.append(ids[cut:])

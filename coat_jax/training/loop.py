@@ -10,10 +10,13 @@ step, its state holds no accumulator, and the step counter counts optimizer step
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import json
 import math
+import os
+import shutil
 import signal
 import threading
 import time
@@ -33,8 +36,8 @@ from coat_jax.generate import sample_text
 from coat_jax.llama import Llama, LlamaConfig, relayout
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.master import apply_updates_stochastic, float32_optimizer
-from coat_jax.training import sharding
-from coat_jax.training.checkpoint import Checkpointer, CheckpointError
+from coat_jax.training import distributed, sharding
+from coat_jax.training.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
 from coat_jax.training.data import (
     PackedWindows,
@@ -43,6 +46,7 @@ from coat_jax.training.data import (
     tokenize_to_cache,
     validation_batches,
 )
+from coat_jax.training.errors import DivergedError, error_line, exit_code
 from coat_jax.training.metrics import (
     MetricsLog,
     device_peak_bytes,
@@ -50,10 +54,14 @@ from coat_jax.training.metrics import (
     plot_loss_curve,
 )
 from coat_jax.training.optimizers import (  # noqa: F401 - weight_decay_mask: public here too
+    kernel_options,
     make_optimizer,
     optimizer_fingerprint,
     weight_decay_mask,
 )
+from coat_jax.training.rundir import RunDirectory
+from coat_jax.training.telemetry import StateTelemetry, state_telemetry
+from pallas_kernels.sharding import KernelMesh
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -90,9 +98,24 @@ def _split_params(model) -> tuple[Any, Any]:
     return graphdef, params
 
 
-def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig) -> ModelDef:
-    """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly."""
+def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelDef:
+    """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
+
+    ``cfg.kernels`` picks where the FP8 ops run; with ``mesh`` (a program on several devices)
+    their Pallas kernels run on each shard (``FP8Config(mesh=KernelMesh(mesh))``): activations
+    split over the batch axes, weights as the trainer's FSDP rule places them.
+    """
     abstract = nnx.eval_shape(lambda: new_model(llama_cfg, cfg, jax.random.key(0)))
+    placement = {}
+    if mesh is not None:
+        placement["mesh"] = KernelMesh(mesh, batch_axes=sharding.BATCH_AXES, param_axis="fsdp")
+    # Static FP8 settings from the trainer config (they live in the graphdef).
+    abstract.fp8_config = dataclasses.replace(
+        abstract.fp8_config,
+        weight_residual=cfg.fp8_weight_residual,
+        **kernel_options(cfg),
+        **placement,
+    )
     graphdef, state = _split_params(abstract)
     return ModelDef(llama_cfg, graphdef, state, cfg.loss_chunk_size)
 
@@ -233,18 +256,30 @@ def with_rounding_count(tx: optax.GradientTransformation) -> optax.GradientTrans
     return optax.GradientTransformation(init, update)
 
 
-def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation, *, seed: int = 0):
+def make_train_step(
+    model_def: ModelDef,
+    tx: optax.GradientTransformation,
+    *,
+    seed: int = 0,
+    telemetry: StateTelemetry | None = None,
+):
     """The pure train step over ``tokens_ABT1``: A microbatches of B windows of T + 1 tokens.
 
     With bfloat16 parameters (``master_dtype: bfloat16``) ``tx`` must come from
     :func:`with_rounding_count`: gradients are accumulated and clipped in float32 and each
-    update is applied with stochastic rounding.
+    update is applied with stochastic rounding. With ``telemetry`` the metrics also hold the
+    optimizer state's quantization telemetry (:mod:`coat_jax.training.telemetry`).
     """
     grad_fn = jax.value_and_grad(lambda p, t: next_token_loss(model_def, p, t))
     low_precision = any(
         jnp.dtype(x.dtype) == jnp.bfloat16 for x in jax.tree.leaves(model_def.abstract_params)
     )
     as_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+
+    def update(grads, opt_state, params):
+        if telemetry is None:
+            return (*tx.update(grads, opt_state, params), {})
+        return telemetry.update(tx, grads, opt_state, params)
 
     def train_step(params, opt_state, tokens_ABT1):
         num_micro = tokens_ABT1.shape[0]
@@ -265,20 +300,20 @@ def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation, *, se
             loss = losses.mean()
         if low_precision:
             key = jax.random.fold_in(jax.random.key(seed), opt_state.count)
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state, observed = update(grads, opt_state, params)
             params = apply_updates_stochastic(params, updates, key)
         else:
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state, observed = update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         grad_norm = optax.tree.norm(as_f32(grads) if low_precision else grads)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **observed}
 
     return train_step
 
 
 def evaluate(eval_fn, params, windows: PackedWindows, cfg: TrainConfig, batch_sharding) -> float:
     losses = [
-        eval_fn(params, jax.device_put(batch, batch_sharding))
+        eval_fn(params, sharding.put_batch(batch, batch_sharding))
         for batch in validation_batches(windows, cfg.batch_size, cfg.eval_batches)
     ]
     return float(np.mean(jax.device_get(losses)))
@@ -288,13 +323,18 @@ class GracefulStop:
     """Turns the first SIGINT/SIGTERM into a request to checkpoint and stop after this step.
 
     A second signal raises KeyboardInterrupt at once (the half-written checkpoint, if any, stays
-    in Orbax's temporary directory and is never taken for a complete one). Handlers can only be
-    installed from the main thread; elsewhere the default behaviour is kept.
+    in Orbax's temporary directory and is never taken for a complete one). While ``compiling``
+    is set (the first step's compilation, which cannot be interrupted) the request is to stop
+    without a checkpoint: no step has changed the state yet. ``finished()`` gives the number
+    of finished steps for the message. Handlers can only be installed from the main thread;
+    elsewhere the default behaviour is kept.
     """
 
-    def __init__(self, say):
+    def __init__(self, say, finished=lambda: "?"):
         self.signum: int | None = None
+        self.compiling = False
         self._say = say
+        self._finished = finished
         self._previous: dict[int, Any] = {}
 
     def __enter__(self):
@@ -307,10 +347,14 @@ class GracefulStop:
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
-        self._say(
-            f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then "
-            "stopping (send it again to abort without saving)"
-        )
+        name = signal.Signals(signum).name
+        if self.compiling:
+            self._say(f"received {name} while compiling the train step: stopping (no step has run)")
+        else:
+            self._say(
+                f"received {name} after step {self._finished()}: saving a checkpoint once the "
+                "step in flight finishes, then stopping (send it again to abort without saving)"
+            )
 
     def __exit__(self, *exc):
         for s, handler in self._previous.items():
@@ -319,6 +363,9 @@ class GracefulStop:
 
 @dataclasses.dataclass
 class TrainResult:
+    """What :func:`train` ends with; ``params`` and ``opt_state`` are None when a signal stopped
+    it during the first step's compilation (the state was already given to that step)."""
+
     step: int
     params: Any
     opt_state: Any
@@ -390,9 +437,12 @@ def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainP
     """The model, optimizer, shardings and the jitted train and evaluation steps of ``cfg``."""
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp) if mesh is None else mesh
     sharding.check_batch_divisible(cfg.batch_size, mesh)
-    model_def = model_def_for(llama_cfg, cfg)
+    # Several devices: the kernels run per shard on the mesh (even a mesh of one device, which
+    # places the program on one of several); one device in the process: no mesh, as ever.
+    kernel_mesh = mesh if jax.device_count() > 1 else None
+    model_def = model_def_for(llama_cfg, cfg, kernel_mesh)
     schedule = make_schedule(cfg)
-    tx = make_optimizer(cfg, schedule)
+    tx = make_optimizer(cfg, schedule, mesh=kernel_mesh)
     if cfg.master_dtype != "float32":
         tx = with_rounding_count(tx)
     abstract_params = model_def.abstract_params
@@ -404,7 +454,7 @@ def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainP
     batch_sh = sharding.batch_sharding(mesh, batch_axis=1, rank=3)
     eval_batch_sh = sharding.batch_sharding(mesh, batch_axis=0, rank=2)
     step_fn = jax.jit(
-        make_train_step(model_def, tx, seed=cfg.seed),
+        make_train_step(model_def, tx, seed=cfg.seed, telemetry=state_telemetry(cfg, schedule)),
         in_shardings=(param_sh, opt_sh, batch_sh),
         out_shardings=(param_sh, opt_sh, None),
         donate_argnums=(0, 1),
@@ -447,6 +497,7 @@ class RunState:
     opt_state: Any
     step: int
     position: int
+    skipped_steps: int = 0
 
 
 def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
@@ -460,11 +511,15 @@ def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
         "tokenizer": tokenizer.identity,
         # Recorded only when not the default, so that checkpoints from before the option resume.
         **({"master_dtype": cfg.master_dtype} if cfg.master_dtype != "float32" else {}),
+        # Held-out documents change the training text, so a resume must keep them.
+        **({"val_documents": cfg.val_documents} if cfg.val_documents else {}),
     }
 
 
 def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> RunState:
     """Data, model, optimizer and the starting state: restored (``resume``) or initialised."""
+    if not cfg.resume:
+        _claim_for_new_run(cfg, out, checkpointer, say)
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
     sharding.check_batch_divisible(cfg.batch_size, mesh)
     if mesh.size < len(jax.devices()):
@@ -473,7 +528,9 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
     tokenizer = make_tokenizer(
         cfg.tokenizer, resolve_init_from(cfg.init_from) if cfg.init_from else None
     )
-    tokens = tokenize_to_cache(cfg.data_path, tokenizer, cfg.cache_dir, cfg.val_fraction)
+    tokens = tokenize_to_cache(
+        cfg.data_path, tokenizer, cfg.cache_dir, cfg.val_fraction, cfg.val_documents
+    )
     order = TrainOrder(PackedWindows(tokens.train, cfg.seq_len, "train"), cfg.seed)
     val_windows = PackedWindows(tokens.val, cfg.seq_len, "validation")
 
@@ -490,27 +547,36 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
             llama_config_from_dict(meta["fingerprint"]["model"]) if cfg.init_from else cfg.model
         )
     else:
-        existing = checkpointer.steps()
-        if existing:
-            raise ValueError(
-                f"output_dir {str(out)!r} already holds checkpoints (steps {existing}); pass "
-                "resume=true to continue that run or choose another output_dir (a new run "
-                "there would overwrite them)"
-            )
         llama_cfg = cfg.model
         if cfg.init_from:
             path = resolve_init_from(cfg.init_from)
             say(f"loading {path} (its architecture replaces the config's model section)")
-            pretrained = from_pretrained(
-                path,
-                precision=cfg.precision,
-                dtype=COMPUTE_DTYPES[cfg.compute_dtype],
-                param_dtype=MASTER_DTYPES[cfg.master_dtype],
-                scan_layers=cfg.scan_layers,
-                remat=cfg.remat,
-                fp8_attention=cfg.fp8_attention,
-            )
+            try:
+                pretrained = from_pretrained(
+                    path,
+                    precision=cfg.precision,
+                    dtype=COMPUTE_DTYPES[cfg.compute_dtype],
+                    param_dtype=MASTER_DTYPES[cfg.master_dtype],
+                    scan_layers=cfg.scan_layers,
+                    remat=cfg.remat,
+                    fp8_attention=cfg.fp8_attention,
+                )
+            except FileNotFoundError as e:
+                raise ValueError(
+                    f"init_from={cfg.init_from!r}: {e}; give a Hugging Face or coat-jax folder "
+                    "with its *.safetensors weights, or a .gguf file"
+                ) from None
+            except KeyError as e:
+                raise ValueError(
+                    f"init_from={cfg.init_from!r}: its config lacks the key {e}; give a "
+                    "complete Llama config.json (Hugging Face's) or a .gguf file"
+                ) from None
             llama_cfg = pretrained.config
+    if cfg.init_from and cfg.seq_len > llama_cfg.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={cfg.seq_len} is longer than init_from's max_position_embeddings="
+            f"{llama_cfg.max_position_embeddings}; lower seq_len"
+        )
     if tokenizer.vocab_size > llama_cfg.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -519,11 +585,18 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
     checkpointer.fingerprint = json.loads(
         json.dumps({"model": llama_config_dict(llama_cfg), **_run_fingerprint(cfg, tokenizer)})
     )
-    program = build_program(cfg, llama_cfg, mesh)
+    schedule_steps = cfg.steps if meta is None else _resumed_schedule(cfg, meta, say)
+    program = build_program(
+        cfg if schedule_steps == cfg.steps else dataclasses.replace(cfg, steps=schedule_steps),
+        llama_cfg,
+        mesh,
+    )
 
+    skipped = 0
     if meta is not None:
         params, opt_state, meta = _restore(program, checkpointer, meta, say)
         step, position = meta["step"], meta["data_position"]
+        skipped = meta.get("skipped_steps", 0)
         say(f"resumed from step {step} in {checkpointer.directory}")
     else:
         if pretrained is not None:
@@ -535,8 +608,78 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
         opt_state = program.init_opt_state(params)
         step, position = 0, 0
     return RunState(
-        program, checkpointer, tokenizer, order, val_windows, params, opt_state, step, position
+        program,
+        checkpointer,
+        tokenizer,
+        order,
+        val_windows,
+        params,
+        opt_state,
+        step,
+        position,
+        skipped,
     )
+
+
+# Files every run writes: a directory holding them belongs to another run.
+_RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard")
+
+
+def _claim_for_new_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> None:
+    """Refuses an ``output_dir`` holding another run's files, or (``overwrite``) deletes them."""
+    existing = checkpointer.steps()
+    others = [name for name in _RUN_FILES if (out / name).exists()]
+    if (existing or others) and cfg.overwrite:
+        say(
+            f"overwrite=true: deleting the previous run's checkpoints {existing} and "
+            f"{', '.join(others) or 'no other files'} in {out}"
+        )
+        checkpointer.delete_all()
+        for name in others:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    elif existing:
+        raise ValueError(
+            f"output_dir {str(out)!r} already holds checkpoints (steps {existing}); pass "
+            "resume=true to continue that run, choose another output_dir, or pass "
+            "overwrite=true to delete them and start a new run there"
+        )
+    elif others:
+        raise ValueError(
+            f"output_dir {str(out)!r} holds another run's {', '.join(others)} but no "
+            "checkpoint; choose another output_dir, or pass overwrite=true to replace them"
+        )
+
+
+def _resumed_schedule(cfg: TrainConfig, meta: dict, say) -> int:
+    """The learning-rate schedule's length on resume: the checkpoint's run's, unless
+    ``reschedule``; a changed ``steps`` alone would re-stretch the cosine mid-run."""
+    saved = meta.get("schedule_steps")
+    if saved is None:
+        say(
+            f"note: checkpoint step {meta['step']} does not record its learning-rate schedule "
+            f"(written before coat-jax recorded it); the schedule spans steps={cfg.steps}"
+        )
+        return cfg.steps
+    if saved == cfg.steps:
+        return saved
+    if cfg.reschedule:
+        say(
+            f"reschedule=true: the learning-rate schedule now spans {cfg.steps} steps instead "
+            f"of the original run's {saved}"
+        )
+        return cfg.steps
+    after = (
+        f"; after step {saved} the rate stays at its floor, "
+        f"{cfg.learning_rate * cfg.min_lr_ratio:.3g}"
+        if cfg.steps > saved
+        else ""
+    )
+    say(
+        f"note: steps={cfg.steps}, but the learning-rate schedule stays the original run's "
+        f"({saved} steps{after}); pass reschedule=true to spread it over {cfg.steps} steps"
+    )
+    return saved
 
 
 def _checkpoint_is_stacked(meta) -> bool:
@@ -581,6 +724,10 @@ def _restore(program: TrainProgram, checkpointer: Checkpointer, meta, say):
 def train(cfg: TrainConfig, *, stop_at: int | None = None, say=print) -> TrainResult:
     """Runs (or resumes) the job ``cfg`` describes.
 
+    The output directory is locked for the run (:class:`~coat_jax.training.rundir.RunDirectory`)
+    and, once the run is set up, every status line and the error that ends a failed run also go
+    to its ``train.log``; a run refused before that leaves ``output_dir`` as it was.
+
     Args:
       cfg: the run.
       stop_at: stop after this global step as if interrupted (checkpoint, no final evaluation);
@@ -590,6 +737,12 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, say=print) -> TrainRe
     Returns:
       The final step, parameters and optimizer state, validation loss and perplexity (None when
       stopped early) and the signal that stopped the run, if any.
+
+    Raises:
+      ValueError: bad input (the message says what to change); ``OutputDirInUseError`` when
+        another trainer holds ``output_dir``, ``CheckpointError`` for checkpoints that cannot
+        be read or written.
+      DivergedError: the loss, the gradient or the state became non-finite.
     """
     if cfg.compilation_cache_dir:
         # JAX's persistent cache: a rerun or resume of the same set-up skips recompiling the
@@ -598,14 +751,52 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, say=print) -> TrainRe
             "jax_compilation_cache_dir", str(Path(cfg.compilation_cache_dir).expanduser())
         )
     out = Path(cfg.output_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(out, keep=cfg.keep_checkpoints, fingerprint={})
-    try:
-        run = setup_run(cfg, out, checkpointer, say)
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        return run_loop(run, cfg, out, stop_at, say)
-    finally:
-        checkpointer.close()
+    with RunDirectory(distributed.process_dir(out)) as run_dir:
+        say = _Say(say if distributed.is_main_process() else distributed.quiet, run_dir.log)
+        run_dir.log(f"pid {os.getpid()}: {'resuming' if cfg.resume else 'a new run'} in {out}")
+        if run_dir.took_over:
+            say(f"note: took over the lock of a trainer no longer running ({run_dir.took_over})")
+        try:
+            checkpointer = Checkpointer(out, keep=cfg.keep_checkpoints, fingerprint={})
+            if checkpointer.removed_incomplete:
+                say(
+                    f"removed {', '.join(checkpointer.removed_incomplete)}: checkpoint(s) an "
+                    "interrupted save left incomplete"
+                )
+            try:
+                run = setup_run(cfg, out, checkpointer, say)
+                run_dir.start_log()
+                # Every process has checked output_dir before the main one writes there.
+                distributed.sync("coat_jax set-up")
+                if distributed.is_main_process():
+                    config = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+                    (out / "config.yaml").write_text(config)
+                result = run_loop(run, cfg, out, stop_at, say)
+            except BaseException:
+                # A failed save in flight must not hide the error that stops the run.
+                try:
+                    checkpointer.close()
+                except CheckpointSaveError as e:
+                    say(f"warning: {e}")
+                raise
+            checkpointer.close()
+            return result
+        except BaseException as e:
+            if exit_code(e) is not None:
+                run_dir.log(error_line(e))
+            raise
+
+
+class _Say:
+    """A status-line sink: the console (print, or the progress bar's write) and train.log."""
+
+    def __init__(self, console, log=None):
+        self.console, self.log = console, log
+
+    def __call__(self, line: str) -> None:
+        self.console(line)
+        if self.log is not None:
+            self.log(line)
 
 
 def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainResult:
@@ -618,7 +809,7 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
         f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}, "
         f"{cfg.tokens_per_step} tokens/step, {run.order.windows.num_windows} training windows"
     )
-    log = MetricsLog(
+    log = (MetricsLog if distributed.is_main_process() else distributed.NoLog)(
         out / "metrics.jsonl",
         resume_step=run.step if cfg.resume else None,
         tensorboard_dir=out / "tensorboard" if cfg.tensorboard else None,
@@ -627,6 +818,147 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
         return _steps(run, cfg, out, stop_at, say, log)
     finally:
         log.close()
+
+
+# The thread that compiles and dispatches the first step (see _first_step); train.py exits
+# with os._exit while it is still alive.
+FIRST_STEP_THREAD = "coat_jax first step"
+
+
+def _first_step(step_fn, args, stop: GracefulStop):
+    """``step_fn(*args)`` for the first step, in a thread, so a stop signal is honoured at once.
+
+    The first call compiles the step (minutes at 7B), which a signal handler cannot
+    interrupt; the main thread waits here instead and returns None when a signal arrives
+    first, leaving the thread to finish on its own.
+    """
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["out"] = step_fn(*args)
+        except BaseException as e:  # re-raised in the main thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name=FIRST_STEP_THREAD, daemon=True)
+    stop.compiling = True
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+            if stop.signum is not None and worker.is_alive():
+                return None
+    finally:
+        stop.compiling = False
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+class _Progress:
+    """Steps dispatched but not yet finished, and what finishing one does.
+
+    Finishing a step fetches its metrics (which waits for it), checks that its loss and
+    gradient norm are finite, moves the bar and writes a metrics.jsonl record every
+    ``log_every`` steps. A non-finite step stops the run (:class:`DivergedError`) unless
+    ``skip_nonfinite_steps`` allows one more skipped step (the optimizer has left the state as
+    it was: :func:`coat_jax.training.optimizers.skip_nonfinite`).
+    """
+
+    def __init__(self, cfg, schedule, log, bar, say, checkpointer, last_step, step, skipped):
+        self.cfg, self.schedule, self.log, self.bar, self.say = cfg, schedule, log, bar, say
+        self.checkpointer, self.last_step = checkpointer, last_step
+        self.first_step = step + 1
+        self.finished = step
+        self.recorded = step  # the step of the last metrics.jsonl record
+        self.skipped = skipped
+        self.in_flight: collections.deque = collections.deque()
+        self.window: list[dict] = []  # finished, not skipped, steps since the last record
+        self.clock: float | None = None
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def dispatched(self, step: int, metrics) -> None:
+        self.in_flight.append((step, metrics))
+
+    def finish(self, keep: int = 0) -> None:
+        """Finishes the oldest steps in flight until at most ``keep`` remain."""
+        while len(self.in_flight) > keep:
+            step, metrics = self.in_flight.popleft()
+            self._finished(step, jax.device_get(metrics))
+
+    def restart_clock(self) -> None:
+        self.clock, self.tokens = time.perf_counter(), 0
+
+    def _finished(self, step: int, values: dict) -> None:
+        cfg = self.cfg
+        loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
+        skipped = not math.isfinite(grad_norm) and cfg.skip_nonfinite_steps > 0
+        if skipped:
+            self.skipped += 1
+            if self.skipped > cfg.skip_nonfinite_steps:
+                raise _diverged(
+                    f"step {step} is non-finite (loss {loss}, gradient norm {grad_norm}), "
+                    f"{self.skipped} such steps, more than skip_nonfinite_steps="
+                    f"{cfg.skip_nonfinite_steps}",
+                    self.checkpointer,
+                )
+            self.say(
+                f"step {step}: loss {loss}, gradient norm {grad_norm}: update skipped "
+                f"({self.skipped} of at most {cfg.skip_nonfinite_steps})"
+            )
+        elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise _diverged(
+                f"training loss is {loss} (gradient norm {grad_norm}) at step {step}",
+                self.checkpointer,
+            )
+        self.finished = step
+        self.bar.update(1)
+        if not skipped:
+            self.window.append(values)
+        if step == self.first_step:
+            # The first step includes compilation; throughput is timed from its end. Its loss
+            # is logged on its own, so the starting loss is seen.
+            record = self._record(step, 0, time.perf_counter())
+            record["first_step_s"] = time.perf_counter() - self.started
+            self.log.write(record)
+            self.recorded = step
+            if "loss" in record:
+                self.say(
+                    f"step {step}: loss {record['loss']:.4f}; the first step took "
+                    f"{record['first_step_s']:.1f} s (compilation included)"
+                )
+            self.restart_clock()
+            return
+        self.tokens += cfg.tokens_per_step
+        if step % cfg.log_every == 0 or step == self.last_step:
+            self.flush()
+
+    def flush(self) -> None:
+        """Writes the record of the steps finished since the last one, if any."""
+        if self.finished == self.recorded:
+            return
+        record = self._record(self.finished, self.tokens, self.clock)
+        self.restart_clock()
+        self.log.write(record)
+        self.recorded = self.finished
+        if "loss" in record:
+            self.bar.set_postfix_str(_postfix(record))
+            if not self.cfg.progress_bar:
+                self.say(f"step {self.finished}/{self.cfg.steps}: {_postfix(record)}")
+
+    def _record(self, step: int, tokens: int, clock: float) -> dict:
+        if self.window:
+            record = _log_record(self.window, step, self.schedule, tokens, clock)
+        else:  # every step since the last record was skipped
+            record = {"step": step}
+        if self.cfg.skip_nonfinite_steps:
+            record["skipped_steps"] = self.skipped
+        # Wall time since the loop started, checkpoints and evaluations included (which
+        # tokens_per_sec leaves out): what a save costs the run shows here.
+        record["elapsed_s"] = time.perf_counter() - self.started
+        self.window = []
+        return record
 
 
 def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> TrainResult:
@@ -641,72 +973,114 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
     def validate() -> float:
         return evaluate(program.eval_fn, params, run.val_windows, cfg, program.eval_batch_sharding)
 
-    def save() -> None:
-        checkpointer.save(
-            step, {"params": params, "opt_state": opt_state}, data_position=position, seed=cfg.seed
-        )
-
     bar = tqdm(
         total=cfg.steps,
         initial=step,
         desc="train",
         dynamic_ncols=True,
-        disable=not cfg.progress_bar,
+        disable=not cfg.progress_bar or not distributed.is_main_process(),
     )
-    say = bar.write if cfg.progress_bar else say
-    pending: list[dict] = []
-    timer = None
-    tokens_since = 0
-    first_step_started = time.perf_counter()
-    with GracefulStop(say) as stop:
+    if not bar.disable:
+        say = _Say(bar.write, say.log if isinstance(say, _Say) else None)
+    progress = _Progress(
+        cfg, program.schedule, log, bar, say, checkpointer, last_step, step, run.skipped_steps
+    )
+    no_checkpoint = lambda: checkpointer.latest_step() is None
+
+    def attempt(action, fatal) -> None:
+        # A failed save stops the run only when no good checkpoint would remain (or it was the
+        # final one); otherwise training goes on and the next save may succeed.
+        try:
+            note = action()
+        except CheckpointSaveError as e:
+            if fatal():
+                raise
+            say(f"warning: {e}")
+        else:
+            if note:
+                say(note)
+
+    def checkpoint(final: bool) -> None:
+        attempt(checkpointer.wait, fatal=lambda: not final and no_checkpoint())
+        attempt(
+            lambda: checkpointer.save(
+                step,
+                {"params": params, "opt_state": opt_state},
+                data_position=position,
+                seed=cfg.seed,
+                schedule_steps=program.cfg.steps,
+                skipped_steps=progress.skipped,
+            ),
+            fatal=lambda: final or no_checkpoint(),
+        )
+
+    will_save = (
+        cfg.save_final
+        or last_step < cfg.steps
+        or last_step // cfg.checkpoint_every > step // cfg.checkpoint_every
+    )
+    if will_save and step < last_step:
+        checkpointer.check_room(
+            {"params": program.abstract_params, "opt_state": program.abstract_opt_state}
+        )
+    if cfg.eval_at_start and step == 0:
+        # The starting weights' validation loss (a fine-tune's "before"), logged as step 0.
+        val_loss = validate()
+        log.write({"step": 0, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
+        say(f"step 0: validation loss {val_loss:.4f} (before training)")
+    with GracefulStop(say, lambda: progress.finished) as stop:
+        if step < last_step:
+            stop.compiling = True  # until the first step is dispatched (_first_step)
+            say(f"step {step + 1}: compiling the train step")
         while step < last_step and stop.signum is None:
             batch = run.order.take(position, sequences_per_step)
             batch = batch.reshape(cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1)
-            params, opt_state, metrics = program.step_fn(
-                params, opt_state, jax.device_put(batch, program.batch_sharding)
-            )
-            pending.append(metrics)
+            args = (params, opt_state, sharding.put_batch(batch, program.batch_sharding))
+            if step + 1 == progress.first_step:
+                outputs = _first_step(program.step_fn, args, stop)
+                if outputs is None:  # the state went to the abandoned step
+                    params = opt_state = None
+                    break
+            else:
+                outputs = program.step_fn(*args)
+            params, opt_state, metrics = outputs
+            del args, outputs
             step += 1
             position += sequences_per_step
-            bar.update(1)
-            if timer is None:
-                # The first step includes compilation; throughput is timed from its end. Its
-                # loss is logged on its own, so the starting loss is seen.
-                jax.block_until_ready(metrics)
-                record = _log_record(pending, step, program.schedule, 0, time.perf_counter())
-                record["first_step_s"] = time.perf_counter() - first_step_started
-                _check_finite(record, step, checkpointer)
-                log.write(record)
-                say(
-                    f"step {step}: loss {record['loss']:.4f}; the first step took "
-                    f"{record['first_step_s']:.1f} s (compilation included)"
-                )
-                pending, timer, tokens_since = [], time.perf_counter(), 0
-            else:
-                tokens_since += cfg.tokens_per_step
-            if pending and (
-                step % cfg.log_every == 0 or step == last_step or stop.signum is not None
-            ):
-                record = _log_record(pending, step, program.schedule, tokens_since, timer)
-                pending, timer, tokens_since = [], time.perf_counter(), 0
-                _check_finite(record, step, checkpointer)
-                log.write(record)
-                bar.set_postfix_str(_postfix(record))
-                if not cfg.progress_bar:
-                    say(f"step {step}/{cfg.steps}: {_postfix(record)}")
-            if step % cfg.eval_every == 0 and step < cfg.steps:
+            # Bounded dispatch: with step `step` queued, wait for the one before it. A stop
+            # signal then waits for one step, and the bar counts finished steps.
+            progress.dispatched(step, metrics)
+            progress.finish(keep=1)
+            evaluate_now = step % cfg.eval_every == 0 and step < cfg.steps
+            save_now = step % cfg.checkpoint_every == 0
+            if evaluate_now or save_now:
+                progress.finish()
+            if evaluate_now:
                 val_loss = validate()
                 log.write({"step": step, "val_loss": val_loss})
                 say(f"step {step}: validation loss {val_loss:.4f}")
                 # Evaluation and checkpoints are not training throughput.
-                timer, tokens_since = time.perf_counter(), 0
-            if step % cfg.checkpoint_every == 0:
-                save()
-                timer, tokens_since = time.perf_counter(), 0
+                progress.restart_clock()
+            if save_now:
+                checkpoint(final=False)
+                progress.restart_clock()
+        stop.compiling = False
+        progress.finish()
+        progress.flush()
         bar.close()
         stopped_by = signal.Signals(stop.signum).name if stop.signum is not None else None
-        save()
-        if stopped_by is None and step >= cfg.steps:
+        if stopped_by and step == run.step:
+            say(
+                f"stopped by {stopped_by} before the first step ran; nothing to save (the run "
+                f"is at step {step}, as it started)"
+            )
+            return TrainResult(step, params, opt_state, None, None, stopped_by, out)
+        completed = stopped_by is None and step >= cfg.steps
+        final_save = not completed or cfg.save_final
+        if final_save:
+            checkpoint(final=True)
+        if completed:
+            # The final checkpoint is written while the run evaluates and samples.
             val_loss = validate()
             log.write({"step": step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
             if cfg.sample_prompt:
@@ -722,17 +1096,24 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
                 say(f"sample: {text!r}")
         else:
             val_loss = None
-    plot_loss_curve(log.read(), out / "loss_curve.png", f"{cfg.precision} / {cfg.optimizer}")
-    if stopped_by or step < cfg.steps:
+        attempt(checkpointer.wait, fatal=lambda: final_save or no_checkpoint())
+    if distributed.is_main_process():
+        plot_loss_curve(log.read(), out / "loss_curve.png", f"{cfg.precision} / {cfg.optimizer}")
+    if not completed:
         say(
             f"stopped at step {step}{' by ' + stopped_by if stopped_by else ''}; checkpoint "
             f"saved in {checkpointer.directory}; continue with resume=true"
         )
     else:
+        saved = (
+            f"checkpoint in {checkpointer.directory}"
+            if final_save
+            else f"no final checkpoint (save_final=false), {checkpointer.newest()}"
+        )
         say(
             f"done: step {step}, validation loss {val_loss:.4f}, perplexity "
             f"{math.exp(val_loss):.3f}; metrics in {out / 'metrics.jsonl'}, curve in "
-            f"{out / 'loss_curve.png'}"
+            f"{out / 'loss_curve.png'}; {saved}"
         )
     return TrainResult(
         step=step,
@@ -745,13 +1126,18 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
     )
 
 
-def _check_finite(record: dict, step: int, checkpointer: Checkpointer) -> None:
-    if not math.isfinite(record["loss"]):
-        latest = checkpointer.latest_step()
-        raise FloatingPointError(
-            f"training loss is {record['loss']} at step {step}; stopping without "
-            f"saving (latest checkpoint: step {latest}); try a lower learning_rate"
-        )
+def _diverged(what: str, checkpointer: Checkpointer) -> DivergedError:
+    """The error that stops a diverged run, naming the newest checkpoint (all are finite:
+    :meth:`Checkpointer.save` refuses non-finite states)."""
+    try:
+        checkpointer.wait()
+        failed = ""
+    except CheckpointSaveError as e:
+        failed = f" (and the save in flight failed: {e})"
+    return DivergedError(
+        f"{what}; stopping without saving, and {checkpointer.newest()}{failed}; lower "
+        "learning_rate, or set skip_nonfinite_steps to skip such steps"
+    )
 
 
 def _log_record(pending, step, schedule, tokens_since, timer) -> dict:
@@ -765,6 +1151,10 @@ def _log_record(pending, step, schedule, tokens_since, timer) -> dict:
         "tokens_per_sec": tokens_since / elapsed if tokens_since else None,
         "host_peak_rss_bytes": host_peak_rss_bytes(),
     }
+    # Any other scalar metric of the step (the telemetry's): its value at the record's step.
+    record.update(
+        {k: v.item() for k, v in values[-1].items() if k not in record and np.ndim(v) == 0}
+    )
     peak = device_peak_bytes()
     if peak is not None:
         record["peak_memory_bytes"] = peak

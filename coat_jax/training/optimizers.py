@@ -20,17 +20,21 @@ mask):
   and share AdamW's learning rate (Liu et al. 2025); AdamW (``b1``, ``b2``, ``eps``) on the
   rest; decoupled decay ``lr * wd * p`` on both.
 
-``grad_clip`` clips the global gradient norm before any of them.
+``grad_clip`` clips the global gradient norm before any of them; with ``skip_nonfinite_steps``
+the whole is wrapped in :func:`skip_nonfinite`.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 from optax import contrib
 
 from coat_jax.fp8_wrapper import fp8_state
 from coat_jax.optim import coat_adamw
+from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
 
 
@@ -89,18 +93,39 @@ def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransfor
     )
 
 
-def make_optimizer(cfg: TrainConfig, schedule) -> optax.GradientTransformation:
+def kernel_options(cfg: TrainConfig) -> dict:
+    """``implementation`` and ``interpret`` of the kernels for ``cfg.kernels``."""
+    if cfg.kernels == "interpret":
+        return dict(implementation="auto", interpret=True)
+    return dict(implementation=cfg.kernels, interpret=False)
+
+
+def make_optimizer(
+    cfg: TrainConfig, schedule, *, mesh: Mesh | None = None
+) -> optax.GradientTransformation:
     """The optimizer ``cfg`` asks for (see the module docstring), with gradient clipping.
 
     Args:
-      cfg: the run's config (``optimizer``, ``fp8_state`` and the hyper-parameters).
+      cfg: the run's config (``optimizer``, ``fp8_state``, ``kernels`` and the
+        hyper-parameters).
       schedule: the learning-rate schedule, ``count -> lr``.
+      mesh: the trainer's device mesh, for a program on several devices: ``coat_adamw`` then
+        runs its fused step on each parameter's shards, split as the trainer places them
+        (``coat_jax.training.sharding.param_shardings``). ``None``: one device.
 
     Returns:
       An ``optax.GradientTransformation``.
     """
     mask = lambda params: weight_decay_mask(params, cfg.decay_norms_and_embeddings)
     if cfg.optimizer == "coat_adamw":
+        placement = {}
+        if mesh is not None:
+            placement = dict(
+                mesh=mesh,
+                partition_specs=lambda params: jax.tree.map(
+                    lambda s: s.spec, sharding.param_shardings(params, mesh)
+                ),
+            )
         # TrainConfig refuses fp8_state=true here: these moments are FP8 already.
         tx = coat_adamw(
             schedule,
@@ -111,14 +136,40 @@ def make_optimizer(cfg: TrainConfig, schedule) -> optax.GradientTransformation:
             mask=mask,
             mu_format=cfg.mu_format,
             nu_format=cfg.nu_format,
+            **kernel_options(cfg),
+            **placement,
         )
     else:
         tx = _inner_optimizer(cfg, schedule, mask)
         if cfg.fp8_state:
             tx = fp8_state(tx, formats={"signed": cfg.mu_format, "nonnegative": cfg.nu_format})
-    if cfg.grad_clip is None:
-        return tx
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+    if cfg.grad_clip is not None:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+    return skip_nonfinite(tx) if cfg.skip_nonfinite_steps else tx
+
+
+def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` that skips a step whose gradient is not finite: zero updates, state unchanged.
+
+    ``optax.apply_if_finite`` without its counters: the state is ``tx``'s own, so checkpoints
+    of runs with and without ``skip_nonfinite_steps`` resume in each other, and every
+    non-finite step is skipped; the trainer counts them and stops past its limit. A step is
+    non-finite when the gradient's global norm is, as the train step's ``grad_norm`` metric
+    reports it (the same norm of the same float32 gradient).
+
+    Example:
+      >>> tx = skip_nonfinite(optax.adam(1e-3))
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> updates, same = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)  # zeros, state
+    """
+
+    def update(updates, state, params=None):
+        finite = jnp.isfinite(optax.tree.norm(updates))
+        new_updates, new_state = tx.update(updates, state, params)
+        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        return new_updates, jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+
+    return optax.GradientTransformation(tx.init, update)
 
 
 def optimizer_fingerprint(cfg: TrainConfig) -> dict:

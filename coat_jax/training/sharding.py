@@ -1,12 +1,20 @@
 """Device mesh and FSDP-style shardings for parameters and (FP8) optimizer state.
 
 The mesh has axes ``("data", "fsdp")``. Batches are split over both axes; each parameter is
-split over ``fsdp`` along its largest axis that ``fsdp`` divides (the first such axis on ties,
-so square matrices split rows and their per-group statistics can follow), and replicated over
-``data``. An optimizer-state leaf follows the parameter it belongs to: a leaf of the parameter's
-rank (FP8 codes, shape ``p.shape``; per-group statistics, ``p.shape[:-1] + (groups,)``) takes the
-parameter's spec with any axis the leaf's size there does not divide left unsplit; other leaves
-(step counts, scalars) are replicated. On one device every spec is trivially replicated.
+split over ``fsdp`` along its largest axis that ``fsdp`` divides into whole quantization groups
+(the first such axis on ties, so square matrices split rows and their per-group statistics can
+follow), and replicated over ``data``. The last axis, along which COAT groups its 128 values,
+only counts when each shard holds whole groups (``(n / fsdp) % 128 == 0``): every group then
+lies on one device and the fused optimizer step runs on each shard as it is stored, with no
+communication at all. A parameter with no such axis is replicated. An optimizer-state leaf
+follows the parameter it belongs to: a leaf of the parameter's rank (FP8 codes, shape
+``p.shape``; per-group statistics, ``p.shape[:-1] + (groups,)``) takes the parameter's spec with
+any axis the leaf's size there does not divide left unsplit; other leaves (step counts,
+scalars) are replicated. On one device every spec is trivially replicated.
+
+With several processes (``coat_jax.training.distributed``) the mesh spans every process's
+devices and :func:`put_batch` builds each global batch from the rows the process's own devices
+hold.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp")
 BATCH_AXES = AXES
+# COAT's quantization group (coat_jax.optim.DEFAULT_GROUP_SIZE, coat_jax.fp8_state's default):
+# a split of the last axis keeps whole groups per shard.
+GROUP_SIZE = 128
 
 
 def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
@@ -40,11 +51,32 @@ def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), AXES)
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
-    """Splits the largest axis that ``fsdp_size`` divides (earliest on ties); else replicates."""
+def fsdp_spec(
+    shape: tuple[int, ...], fsdp_size: int, group_size: int = GROUP_SIZE
+) -> PartitionSpec:
+    """Splits the largest axis ``fsdp_size`` divides into whole groups; else replicates.
+
+    An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
+    quantization groups of ``group_size`` values run along) only when each shard's length is a
+    multiple of ``group_size``. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
+    projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
+    ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
+    rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
+
+    Example:
+      >>> fsdp_spec((4096, 11008), 8)
+      P('fsdp', None)
+      >>> fsdp_spec((64,), 4)  # 16 values per shard: not a whole group
+      P()
+    """
     if fsdp_size == 1 or not shape:
         return PartitionSpec()
-    candidates = [i for i, d in enumerate(shape) if d % fsdp_size == 0]
+    last = len(shape) - 1
+    candidates = [
+        i
+        for i, d in enumerate(shape)
+        if d % fsdp_size == 0 and (i < last or (d // fsdp_size) % group_size == 0)
+    ]
     if not candidates:
         return PartitionSpec()
     axis = max(candidates, key=lambda i: (shape[i], -i))
@@ -116,6 +148,21 @@ def batch_sharding(mesh: Mesh, *, batch_axis: int, rank: int) -> NamedSharding:
     spec = [None] * rank
     spec[batch_axis] = BATCH_AXES
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The global batch ``batch`` (every process's host copy) as one array placed as ``sharding``.
+
+    With one process this is ``jax.device_put``. With several, each process transfers only the
+    rows its own devices hold (``jax.make_array_from_callback``), and nothing checks that the
+    processes agree: they do by construction, since the data order is a pure function of the
+    seed and the data position (``coat_jax.training.data.TrainOrder``). ``jax.device_put`` of a
+    host array onto devices of other processes would compare the whole batch across processes
+    at every step first.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
 
 
 def check_batch_divisible(batch_size: int, mesh: Mesh) -> None:

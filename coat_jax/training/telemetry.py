@@ -1,0 +1,703 @@
+"""Per-step telemetry of the optimizer state: how faithfully FP8 codes hold the moments.
+
+With ``telemetry: true`` the train step adds scalars to its metrics, which reach
+``metrics.jsonl`` (and TensorBoard) with every record (docs/telemetry.md). For each moment of
+the optimizer state, named by its state field ``F`` (``mu`` and ``nu`` for AdamW and COAT
+AdamW, ``mu`` for Lion and Muon, ``trace`` for SGD):
+
+==========================  ======================================================================
+``state/F_rel_err``         mean of ``|dequantized - m| / |m|`` over the non-zero values of a
+                            sample of groups, pooled over tensors, where ``m`` is the float32
+                            moment this step quantized into those codes
+``state/F_rel_err_max``     the largest such mean of one tensor
+``state/F_worst_tensor``    that tensor's index in ``jax.tree.leaves(params)``
+                            (:func:`tensor_names` gives the names)
+``state/F_flushed``         share of the sampled non-zero moments stored as 0
+``state/F_saturated``       codes equal to the format's maximum in magnitude, whole tensors
+``state/F_nonfinite``       NaN or infinite codes, plus groups with a NaN or infinite statistic
+``state/F_k_floor``         groups whose DRE exponent sits at its lower clip ``1 / expand_min``
+``state/F_k_cap``           groups whose DRE exponent sits at its upper clip ``quant.MAX_EXPAND``
+``state/F_groups``          quantization groups in all (a constant: the scale of the counts)
+==========================  ======================================================================
+
+The error is per value, not norm-wise: Adam's update ``m / sqrt(v)`` is per element, so a small
+moment matters as much as a large one, and a norm-wise error only sees the largest values.
+Per-group scaling maps the largest magnitude of every non-zero group onto the format's maximum,
+so ``saturated`` is about one per non-zero group by design; more means ties at the maximum.
+``k_cap`` counts groups with (nearly) one magnitude, all-zero groups included (an embedding row
+of a token never seen); ``k_floor`` counts groups whose range exceeds what even ``k = 1/16``
+maps into FP8, the case where DRE loses small values.
+
+The float32 moment is not kept by the optimizer, so the telemetry replays this step's moment
+update on the sample: for ``coat_adamw``, ``m = b1 m_old + (1 - b1) g`` and
+``v = b2 v_old + (1 - b2) g^2`` from the dequantized old state and the (clipped) gradient, the
+reference arithmetic of :func:`pallas_kernels.coat_adam.adam_moments_and_update`; for an optax
+optimizer (with ``fp8_state`` or without), the optimizer's own ``update`` on the sampled
+parameters, gradients and dequantized state. Moments kept in float32 (masked-out parameters,
+an optimizer without FP8 state) have no quantization error and are left out: a field without
+FP8 moments reports an error of 0 and worst tensor -1. The replay needs an element-wise moment
+update: every optimizer of the trainer but ``adafactor`` (whose factored statistics are not per
+element), for which only the counts are given.
+
+The sample (:class:`SamplePlan`): ``rows`` rows of every tensor, spread evenly over its leading
+axes (a scanned layer stack keeps every layer: ``rows`` rows per layer), and ``groups`` groups of
+each, spread evenly along the last axis: 16 x 8 groups of 128 values by default, 16384 values
+per tensor and layer. The slices are taken one axis at a time, leading axes first, so that on a
+sharded mesh XLA moves only the sampled values between devices. The sampled groups of all the
+tensors of one field are concatenated, so that dequantization, replay (COAT's) and error are one
+computation per field, not per tensor. Pooled sums weigh each tensor by its values per sampled
+value, so they estimate the error over whole tensors. The counts read
+the whole new state: one byte per value of each moment and one pass over the statistics, two
+variadic reductions per tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from coat_jax import quant
+from coat_jax.fp8_wrapper import _field_name, _owner, find_fp8_states
+from coat_jax.optim import DEFAULT_GROUP_SIZE, _moments_of, find_coat_states
+from coat_jax.training.config import TrainConfig
+from coat_jax.training.optimizers import make_optimizer
+from coat_jax.training.sharding import _is_stacked_layer
+from pallas_kernels.coat_adam import Moment, adam_moments_and_update, dequantize_moment
+
+DEFAULT_ROWS = 16
+DEFAULT_GROUPS = 8
+# Optimizers whose state update is not element-wise, so a sample cannot replay it.
+NOT_REPLAYABLE = frozenset({"adafactor"})
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplePlan:
+    """Which values of one tensor the relative error looks at (static: it only knows shapes).
+
+    Attributes:
+      row_slices: ``(axis, stride, count)`` per leading axis that is sampled: indices
+        ``0, stride, ..., (count - 1) * stride``.
+      group_stride, group_count: groups ``0, group_stride, ...`` along the last axis.
+      group_size: values per group.
+      weight: the tensor's values per sampled value, so that weighted sums over the sample
+        estimate sums over whole tensors (a pooled error is not biased towards the tensors a
+        sample covers more densely).
+    """
+
+    row_slices: tuple[tuple[int, int, int], ...]
+    group_stride: int
+    group_count: int
+    group_size: int
+    weight: float
+
+    @classmethod
+    def for_shape(cls, shape, *, stacked: bool, rows: int, groups: int, group_size: int):
+        """The plan of a tensor of ``shape`` (``None`` for scalars and empty arrays)."""
+        if not shape or math.prod(shape) == 0:
+            return None
+        row_slices, budget = [], rows
+        for axis in range(1 if stacked and len(shape) > 1 else 0, len(shape) - 1):
+            count = min(shape[axis], max(1, budget))
+            budget //= count
+            if count < shape[axis]:
+                row_slices.append((axis, shape[axis] // count, count))
+        n = shape[-1]
+        n_groups = quant.num_groups(n, group_size)
+        count = min(n_groups, groups)
+        stride = n_groups // count
+        per_row = sum(min(group_size, n - g * stride * group_size) for g in range(count))
+        sampled = per_row * math.prod(shape[:-1]) // math.prod(shape[a] for a, _, _ in row_slices)
+        sampled *= math.prod(c for _, _, c in row_slices)
+        return cls(tuple(row_slices), stride, count, group_size, math.prod(shape) / sampled)
+
+    def values(self, x: jax.Array) -> jax.Array:
+        """The sampled values of a parameter-shaped ``x``: ``[..., group_count * group_size]``
+        (a short last group zero-padded)."""
+        x_g = quant.to_groups(self._rows(x), self.group_size)
+        x_g = self._groups(x_g, axis=x_g.ndim - 2)
+        return x_g.reshape(*x_g.shape[:-2], self.group_count * self.group_size)
+
+    def stats(self, s: jax.Array) -> jax.Array:
+        """The sampled groups' statistics, from statistics of shape ``shape[:-1] + (groups,)``."""
+        return self._groups(self._rows(s), axis=s.ndim - 1)
+
+    def _rows(self, x):
+        # One axis at a time: one multi-axis slice of a tensor sharded along its last axis makes
+        # XLA move whole shards before slicing.
+        for axis, stride, count in self.row_slices:
+            x = lax.slice_in_dim(x, 0, (count - 1) * stride + 1, stride, axis)
+        return x
+
+    def _groups(self, x, axis):
+        end = (self.group_count - 1) * self.group_stride + 1
+        return lax.slice_in_dim(x, 0, end, self.group_stride, axis)
+
+
+class _Stored(NamedTuple):
+    """One parameter-shaped moment leaf as stored: FP8 codes and statistics, or float32."""
+
+    field: str
+    param: int
+    moment: Moment  # ``scale is None``: ``codes`` is the float32 value itself
+
+
+def _sample(plan: SamplePlan | None, x):
+    return x if plan is None else plan.values(x)
+
+
+def _sampled_value(stored: _Stored, plan: SamplePlan | None, group_size: int) -> jax.Array:
+    """The sampled values ``stored`` stands for, dequantized, float32, shaped as
+    :meth:`SamplePlan.values` gives them."""
+    m = stored.moment
+    if m.scale is None:
+        return _sample(plan, m.codes).astype(jnp.float32)
+    sampled = Moment(
+        plan.values(m.codes),
+        *(None if s is None else plan.stats(s) for s in (m.scale, m.expand, m.center)),
+    )
+    return dequantize_moment(sampled, group_size)
+
+
+def _rows(x, group_size: int) -> jax.Array:
+    """A sample as rows of one group each: ``[groups, group_size]``."""
+    return x.reshape(-1, group_size)
+
+
+def _sampled_rows(stored: list[_Stored], plans, group_size: int) -> tuple[jax.Array, list[int]]:
+    """The sampled groups of several FP8 leaves of one field, concatenated and dequantized at
+    once (one set of fusions however many tensors): ``[groups, group_size]`` float32, and the
+    number of groups each leaf contributes."""
+    moments = [s.moment for s in stored]
+    if len({m.expand is None for m in moments}) != 1:
+        raise ValueError("telemetry: one state field mixes DRE and absmax leaves")
+    leaf_plans = [plans[s.param] for s in stored]
+    codes = [
+        _rows(p.values(m.codes.astype(jnp.float32)), group_size)
+        for p, m in zip(leaf_plans, moments, strict=True)
+    ]
+
+    def stat(name):
+        if getattr(moments[0], name) is None:
+            return None
+        parts = [p.stats(getattr(m, name)) for p, m in zip(leaf_plans, moments, strict=True)]
+        return jnp.concatenate([x.reshape(-1, 1) for x in parts])
+
+    moment = Moment(jnp.concatenate(codes), stat("scale"), stat("expand"), stat("center"))
+    return dequantize_moment(moment, group_size), [c.shape[0] for c in codes]
+
+
+def _coat_stored(state, params) -> list[_Stored]:
+    treedef = jax.tree.structure(params)
+    return [
+        _Stored(prefix, i, m)
+        for prefix in ("mu", "nu")
+        for i, m in enumerate(_moments_of(state, treedef, prefix))
+    ]
+
+
+def _unmasked(x):
+    return None if isinstance(x, optax.MaskedNode) else x
+
+
+def _optax_stored(inner_state, scale, expand, center, params) -> list[tuple[int, _Stored]]:
+    """``(leaf position in inner_state, stored moment)`` for each parameter-shaped float leaf.
+
+    ``scale``/``expand``/``center`` are an FP8State's statistics trees, or None (float32 state).
+    A leaf belongs to the parameter whose key path ends its own (fp8_state's rule).
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
+    stats = [
+        [None] * len(flat) if tree is None else treedef.flatten_up_to(tree)
+        for tree in (scale, expand, center)
+    ]
+    param_flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    # fp8_state's owner lookup, here mapping each parameter's path to its index.
+    by_path = {tuple(path): (i, True) for i, (path, _) in enumerate(param_flat)}
+    longest = max((len(k) for k in by_path), default=0)
+    found = []
+    for pos, (path, leaf) in enumerate(flat):
+        index, _, n = _owner(path, by_path, longest)
+        if index is None:
+            continue
+        p = param_flat[index][1]
+        s, e, c = (_unmasked(st[pos]) for st in stats)
+        floating = hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+        if s is None and not (floating and leaf.shape == p.shape and leaf.ndim and leaf.size):
+            continue
+        field = _field_name(path[: len(path) - n]) or "state"
+        found.append((pos, _Stored(field, index, Moment(leaf, s, e, c))))
+    return found
+
+
+def _find_inner(opt_state, structure) -> tuple[int, Any]:
+    """The one subtree of ``opt_state`` with ``structure``: its position and value."""
+    is_match = lambda x: jax.tree.structure(x) == structure
+    flat = jax.tree.leaves(opt_state, is_leaf=is_match)
+    matches = [i for i, x in enumerate(flat) if is_match(x)]
+    if len(matches) != 1:
+        raise ValueError(
+            f"telemetry found {len(matches)} copies of the inner optimizer's state in the "
+            "optimizer state, expected one; pass the optimizer that tx wraps as inner="
+        )
+    return matches[0], flat[matches[0]]
+
+
+def _nth_inner(opt_state, structure, position):
+    is_match = lambda x: jax.tree.structure(x) == structure
+    return jax.tree.leaves(opt_state, is_leaf=is_match)[position]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTelemetry:
+    """What the telemetry needs to replay the optimizer's moment update on a sample.
+
+    Attributes:
+      b1, b2: ``coat_adamw``'s decays (used when the state is COAT's).
+      grad_clip: the global-norm clipping ``tx`` applies before the optimizer (None: none).
+      inner: for an optax optimizer (under ``fp8_state`` or not): the optimizer without the
+        clipping, whose ``update`` is replayed; ``None`` with COAT state.
+      replay: False for optimizers whose moment update is not element-wise (only the counts).
+      group_size, expand_min: the optimizer's quantization settings.
+      rows, groups: the sample's size per tensor (:class:`SamplePlan`).
+    """
+
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float | None = None
+    inner: optax.GradientTransformation | None = None
+    replay: bool = True
+    group_size: int = DEFAULT_GROUP_SIZE
+    expand_min: float = 16
+    rows: int = DEFAULT_ROWS
+    groups: int = DEFAULT_GROUPS
+
+    def __post_init__(self):
+        quant.check_group_size(self.group_size)
+        for name in ("rows", "groups"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"telemetry {name} must be a positive int, got {value!r}")
+
+    def update(self, tx: optax.GradientTransformation, grads, opt_state, params):
+        """``tx.update(grads, opt_state, params)`` plus the telemetry's metrics.
+
+        Returns:
+          ``(updates, new_opt_state, metrics)``, ``metrics`` a dict of scalars.
+        """
+        gs = self.group_size
+        params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        plans = [
+            SamplePlan.for_shape(
+                p.shape,
+                stacked=_is_stacked_layer(path),
+                rows=self.rows,
+                groups=self.groups,
+                group_size=gs,
+            )
+            for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
+        ]
+        kind, read = self._reader(opt_state, params)
+        old = read(opt_state)
+        fields = _fp8_fields(old)
+        sample = {}
+        if self.replay and any(fields.values()):
+            sample = self._sample(kind, old, fields, plans, grads32, params32)
+        if sample:
+            # The old state and the gradient are sampled before the update: the optimizer
+            # overwrites the state in place (donated buffers, the Pallas kernel's aliasing),
+            # and the barrier orders these reads before it, so no copy of the state is needed.
+            grads, sample = lax.optimization_barrier((grads, sample))
+        updates, new_state = tx.update(grads, opt_state, params)
+        new = read(new_state)
+        metrics = _count_metrics(new, self.expand_min)
+        if self.replay:
+            stored = {
+                f: _sampled_rows([new[i] for i in members], plans, gs)
+                for f, members in fields.items()
+                if members
+            }
+            exact = self._replay(kind, opt_state, params, old, fields, sample) if stored else {}
+            metrics.update(_error_metrics(new, fields, exact, stored, plans))
+        return updates, new_state, dict(sorted(metrics.items()))
+
+    def _sample(self, kind, old, fields, plans, grads32, params32) -> dict:
+        """What the replay needs of the old state and the (clipped) gradient, sampled."""
+        gs = self.group_size
+        grads = [_sample(p, g) for p, g in zip(plans, jax.tree.leaves(grads32), strict=True)]
+        if self.grad_clip is not None:
+            # optax.clip_by_global_norm's arithmetic, on the sample of the gradient it clips.
+            g_norm = optax.tree.norm(grads32)
+            trigger = jnp.squeeze(g_norm < self.grad_clip)
+            grads = [lax.select(trigger, g, (g / g_norm) * self.grad_clip) for g in grads]
+        if kind == "coat":
+            # COAT's replay is element-wise: every tensor's groups at once.
+            return {
+                "old": {
+                    f: _sampled_rows([old[i] for i in members], plans, gs)[0]
+                    for f, members in fields.items()
+                    if members
+                },
+                "grads": {
+                    f: jnp.concatenate([_rows(grads[old[i].param], gs) for i in members])
+                    for f, members in fields.items()
+                    if members
+                },
+            }
+        # An optax optimizer's update takes its state tree: samples shaped like the tensors.
+        return {
+            "old": [_sampled_value(s, plans[s.param], gs) for s in old],
+            "grads": grads,
+            "params": [
+                _sample(p, x) for p, x in zip(plans, jax.tree.leaves(params32), strict=True)
+            ],
+        }
+
+    def _reader(self, opt_state, params):
+        """``(kind, read)``: ``read(state)`` lists the stored moments of a state like ``opt_state``."""
+        if find_coat_states(opt_state):
+            return "coat", lambda state: _coat_stored(_one(find_coat_states(state), "COAT"), params)
+        if find_fp8_states(opt_state):
+
+            def read_fp8(state):
+                _, s = _one(find_fp8_states(state), "fp8_state")
+                stored = _optax_stored(s.inner_state, s.scale, s.expand, s.center, params)
+                return [leaf for _, leaf in stored]
+
+            return "fp8_state", read_fp8
+        if self.inner is None:
+            raise ValueError(
+                "telemetry found neither COAT (coat_adamw) nor fp8_state optimizer state; for "
+                "an optax optimizer with float32 state pass it as StateTelemetry(inner=...)"
+            )
+        structure = jax.tree.structure(jax.eval_shape(self.inner.init, params))
+        position, _ = _find_inner(opt_state, structure)
+
+        def read_plain(state):
+            inner_state = _nth_inner(state, structure, position)
+            return [leaf for _, leaf in _optax_stored(inner_state, None, None, None, params)]
+
+        return "optax", read_plain
+
+    def _replay(self, kind, opt_state, params, old, fields, sample) -> dict[str, jax.Array]:
+        """Per field, the float32 moments this step quantized into the sampled groups, as the
+        rows :func:`_sampled_rows` gives."""
+        gs = self.group_size
+        if kind == "coat":
+            if [old[i].param for i in fields["mu"]] != [old[i].param for i in fields["nu"]]:
+                raise ValueError("telemetry: COAT state with FP8 mu and nu on different tensors")
+            count = optax.safe_increment(_one(find_coat_states(opt_state), "COAT").count)
+            m, v, _ = adam_moments_and_update(
+                sample["grads"]["mu"],
+                sample["old"]["mu"],
+                sample["old"]["nu"],
+                count=count,
+                b1=self.b1,
+                b2=self.b2,
+                eps=0.0,
+            )
+            return {"mu": m, "nu": v}
+        if self.inner is None:
+            raise ValueError(
+                "telemetry of fp8_state needs the wrapped optimizer to replay its update: "
+                "StateTelemetry(inner=...), or replay=False for the counts only"
+            )
+        if kind == "fp8_state":
+            ((_, s),) = find_fp8_states(opt_state)
+            inner_state = s.inner_state
+            positions = [pos for pos, _ in _optax_stored(*s, params)]
+        else:
+            structure = jax.tree.structure(jax.eval_shape(self.inner.init, params))
+            _, inner_state = _find_inner(opt_state, structure)
+            positions = [pos for pos, _ in _optax_stored(inner_state, None, None, None, params)]
+        leaves, treedef = jax.tree.flatten(inner_state)
+        for pos, value in zip(positions, sample["old"], strict=True):
+            leaves[pos] = value
+        treedef_p = jax.tree.structure(params)
+        _, replayed = self.inner.update(
+            treedef_p.unflatten(sample["grads"]),
+            treedef.unflatten(leaves),
+            treedef_p.unflatten(sample["params"]),
+        )
+        new_leaves = jax.tree.leaves(replayed)
+        if len(new_leaves) != len(leaves):
+            raise ValueError(
+                "the optimizer's update changed its state's structure on the telemetry sample; "
+                "its state update is not element-wise: set replay=False"
+            )
+        return {
+            f: jnp.concatenate(
+                [_rows(new_leaves[positions[i]].astype(jnp.float32), gs) for i in members]
+            )
+            for f, members in fields.items()
+            if members
+        }
+
+
+def _one(found: list, what: str):
+    if len(found) != 1:
+        raise ValueError(f"telemetry expects one {what} optimizer state, found {len(found)}")
+    return found[0]
+
+
+def _by_field(stored: list[_Stored]) -> dict[str, list[int]]:
+    fields: dict[str, list[int]] = {}
+    for i, s in enumerate(stored):
+        fields.setdefault(s.field, []).append(i)
+    return fields
+
+
+def _fp8_fields(stored: list[_Stored]) -> dict[str, list[int]]:
+    """Per field, its FP8 leaves (positions in ``stored``); a field may have none."""
+    return {
+        f: [i for i in members if stored[i].moment.scale is not None]
+        for f, members in _by_field(stored).items()
+    }
+
+
+def _sums(values, dtype, axes=None) -> jax.Array:
+    """``[sum(v, axes) for v in values]`` (same-shape arrays) as one variadic reduction: XLA
+    reads the inputs they are computed from once, and materializes nothing of their size."""
+    values = [v.astype(dtype) for v in values]
+    axes = tuple(range(values[0].ndim)) if axes is None else axes
+    zeros = [jnp.zeros([], dtype)] * len(values)
+    add = lambda xs, ys: [x + y for x, y in zip(xs, ys, strict=True)]
+    return jnp.stack(lax.reduce(values, zeros, add, axes))
+
+
+def _count_metrics(stored: list[_Stored], expand_min) -> dict[str, jax.Array]:
+    """Saturated and non-finite values, clipped DRE exponents, groups: whole tensors.
+
+    Two reductions per tensor, one over its codes and one over its statistics, so that a model
+    of hundreds of tensors adds few fusions to the step.
+    """
+    floor = 1.0 / jnp.asarray(expand_min, jnp.float32)
+    metrics = {}
+    for field, members in _by_field(stored).items():
+        quantized = [stored[i].moment for i in members if stored[i].moment.scale is not None]
+        values = sum(m.codes.size for m in quantized)
+        # int32 is exact below 2**31; a sum that could pass it is counted in float32.
+        dtype = jnp.int32 if values < 2**31 else jnp.float32
+        # saturated, non-finite, k at the floor, k at the cap
+        total = jnp.zeros([4], dtype)
+        for m in quantized:
+            q = m.codes.astype(jnp.float32)
+            fmax = quant.FP8_MAX[quant.format_of(m.codes.dtype)]
+            codes = _sums([jnp.abs(q) == fmax, ~jnp.isfinite(q)], dtype)
+            stats = [x for x in (m.scale, m.expand, m.center) if x is not None]
+            bad = ~jnp.isfinite(stats[0])
+            for x in stats[1:]:
+                bad |= ~jnp.isfinite(x)
+            conditions = [bad]
+            if m.expand is not None:
+                conditions += [m.expand == floor, m.expand == quant.MAX_EXPAND]
+            groups = jnp.pad(_sums(conditions, dtype), (0, 3 - len(conditions)))
+            total += jnp.stack([codes[0], codes[1] + groups[0], groups[1], groups[2]])
+        metrics.update(
+            {
+                f"state/{field}_saturated": total[0],
+                f"state/{field}_nonfinite": total[1],
+                f"state/{field}_k_floor": total[2],
+                f"state/{field}_k_cap": total[3],
+                f"state/{field}_groups": jnp.asarray(
+                    sum(m.scale.size for m in quantized), jnp.int32
+                ),
+            }
+        )
+    return metrics
+
+
+def _mean(total, count):
+    return total / jnp.where(count == 0, 1.0, count)
+
+
+def _error_metrics(stored: list[_Stored], fields, exact, sampled, plans) -> dict[str, jax.Array]:
+    """Relative errors of the sampled FP8 moments (``sampled``: per field, rows and groups per
+    leaf) against the replayed float32 ones (``exact``); a field without FP8 moments has error
+    0 and worst tensor -1.
+
+    Per value ``|stored - exact| / |exact|`` over the non-zero exact values, averaged: Adam's
+    update is per element, so a small moment matters as much as a large one (a norm-wise error
+    would only see the largest). Pooled sums weigh each tensor by its plan's ``weight``, an
+    estimate over whole tensors that is not biased towards densely sampled ones.
+    """
+    metrics = {}
+    for field, members in fields.items():
+        if not members:
+            zero = jnp.zeros([], jnp.float32)
+            metrics.update(
+                {
+                    f"state/{field}_rel_err": zero,
+                    f"state/{field}_rel_err_max": zero,
+                    f"state/{field}_flushed": zero,
+                    f"state/{field}_worst_tensor": jnp.asarray(-1, jnp.int32),
+                }
+            )
+            continue
+        (y, sizes), x = sampled[field], exact[field]
+        nonzero = x != 0
+        rel = jnp.where(nonzero, jnp.abs(y - x) / jnp.abs(jnp.where(nonzero, x, 1.0)), 0.0)
+        per_group = _sums([rel, nonzero, nonzero & (y == 0)], jnp.float32, axes=(1,))
+        leaf_of_group = np.repeat(np.arange(len(members)), sizes)
+        sums, counts, flushed = jax.ops.segment_sum(
+            per_group.T, leaf_of_group, num_segments=len(members), indices_are_sorted=True
+        ).T
+        per_tensor = _mean(sums, counts)
+        w = jnp.asarray([plans[stored[i].param].weight for i in members], jnp.float32)
+        # A NaN makes its tensor the worst one: argmax takes NaN for the maximum.
+        worst = jnp.argmax(per_tensor)
+        params = jnp.asarray([stored[i].param for i in members], jnp.int32)
+        metrics.update(
+            {
+                f"state/{field}_rel_err": _mean(jnp.sum(w * sums), jnp.sum(w * counts)),
+                f"state/{field}_rel_err_max": per_tensor[worst],
+                f"state/{field}_flushed": _mean(jnp.sum(w * flushed), jnp.sum(w * counts)),
+                f"state/{field}_worst_tensor": params[worst],
+            }
+        )
+    return metrics
+
+
+def tensor_names(params) -> list[str]:
+    """The names ``state/*_worst_tensor`` indexes: each parameter's key path, in leaf order.
+
+    Example:
+      >>> from coat_jax.training.loop import model_def_for
+      >>> names = tensor_names(model_def_for(cfg.model, cfg).abstract_params)
+    """
+    return [
+        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+
+
+def state_telemetry(cfg: TrainConfig, schedule) -> StateTelemetry | None:
+    """The telemetry of ``cfg``'s optimizer (``None`` when ``cfg.telemetry`` is off)."""
+    if not cfg.telemetry:
+        return None
+    if cfg.optimizer == "coat_adamw":
+        return StateTelemetry(b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip)
+    inner = make_optimizer(dataclasses.replace(cfg, fp8_state=False, grad_clip=None), schedule)
+    return StateTelemetry(
+        grad_clip=cfg.grad_clip, inner=inner, replay=cfg.optimizer not in NOT_REPLAYABLE
+    )
+
+
+# ----------------------------------------------------------------------------- cost benchmark
+
+
+def benchmark(cfg: TrainConfig, *, steps: int = 20, rounds: int = 5, together: bool = True) -> dict:
+    """Seconds per train step of ``cfg`` with telemetry off and on.
+
+    Builds the trainer's program (:func:`coat_jax.training.loop.build_program`) both ways, from
+    the same parameters and tokens, and times ``rounds`` rounds of ``steps`` steps of each:
+    alternating (``together``, so a machine's varying load hits both alike), or one program
+    after the other, freeing the first (a model whose two states do not fit at once). Each step
+    is blocked on: step latencies. Returns per program the median round's seconds per step
+    (wall clock, and the process's CPU time, which a busy machine disturbs less), each round,
+    the compile time, XLA's temporary bytes and the last metrics.
+    """
+    runs = {}
+    for name in ("off", "on"):
+        runs[name] = _BenchRun(dataclasses.replace(cfg, telemetry=name == "on"))
+        if not together:
+            for _ in range(rounds):
+                runs[name].round(steps)
+            runs[name].free()
+    if together:
+        for _ in range(rounds):
+            for run in runs.values():
+                run.round(steps)
+    result = {name: run.summary() for name, run in runs.items()}
+    for key in ("step_s", "step_cpu_s"):
+        result[f"overhead_{key}"] = result["on"][key] / result["off"][key] - 1
+    return result
+
+
+class _BenchRun:
+    """One compiled train step of :func:`benchmark`, its state and its timings."""
+
+    def __init__(self, cfg: TrainConfig):
+        # Imported here: the loop imports this module.
+        from coat_jax.training.loop import build_program
+
+        program = build_program(cfg, cfg.model)
+        params = program.init_params(jax.random.key(cfg.seed))
+        opt_state = program.init_opt_state(params)
+        tokens = np.random.default_rng(cfg.seed).integers(
+            0, cfg.model.vocab_size, program.abstract_batch().shape, dtype=np.int32
+        )
+        self.tokens = jax.device_put(tokens, program.batch_sharding)
+        start = time.perf_counter()
+        self.compiled = program.step_fn.lower(params, opt_state, self.tokens).compile()
+        self.compile_s = time.perf_counter() - start
+        memory = self.compiled.memory_analysis()
+        self.temp_bytes = None if memory is None else int(memory.temp_size_in_bytes)
+        self.state = (params, opt_state)
+        self.metrics = self.step()
+        self.wall, self.cpu = [], []
+
+    def step(self):
+        params, opt_state, metrics = self.compiled(*self.state, self.tokens)
+        jax.block_until_ready((params, opt_state, metrics))
+        self.state = (params, opt_state)
+        return metrics
+
+    def round(self, steps: int) -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            self.metrics = self.step()
+        self.wall.append((time.perf_counter() - start) / steps)
+        self.cpu.append((time.process_time() - cpu) / steps)
+
+    def free(self) -> None:
+        self.state = self.compiled = None
+
+    def summary(self) -> dict:
+        return {
+            "step_s": float(np.median(self.wall)),
+            "step_cpu_s": float(np.median(self.cpu)),
+            "rounds_s": self.wall,
+            "compile_s": self.compile_s,
+            "temp_bytes": self.temp_bytes,
+            "metrics": {k: np.asarray(v).item() for k, v in jax.device_get(self.metrics).items()},
+        }
+
+
+def main(argv=None) -> None:
+    """The cost of the telemetry (:func:`benchmark`), printed as JSON.
+
+    ``python -c 'import sys; from coat_jax.training.telemetry import main; main(sys.argv[1:])'
+    [CONFIG] [key=value ...] [--steps N] [--rounds R] [--one-at-a-time]`` (not
+    ``python -m``: the trainer's package imports this module first).
+    """
+    from coat_jax.training.config import load_config
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("config", nargs="?", default=None)
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each program")
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="time one program, free it, then the other (a model whose two states do not fit)",
+    )
+    args = parser.parse_args(argv)
+    if args.config is not None and "=" in args.config:
+        args.overrides.insert(0, args.config)
+        args.config = None
+    cfg = load_config(args.config, args.overrides)
+    result = benchmark(cfg, steps=args.steps, rounds=args.rounds, together=not args.one_at_a_time)
+    result["device"] = str(jax.devices()[0].device_kind)
+    result["config"] = {"config": args.config, "overrides": args.overrides}
+    print(json.dumps(result, indent=1))

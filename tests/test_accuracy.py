@@ -1,0 +1,121 @@
+"""benchmarks/accuracy.py: the document split it relies on, its report, and a CPU smoke run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coat_jax.tokenizer import ByteTokenizer
+from coat_jax.training.data import Tokenizer, read_documents, tokenize_to_cache
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import accuracy  # noqa: E402
+
+
+def _corpus(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "one.txt").write_text("alpha " * 200)
+    (root / "a" / "two.txt").write_text("beta " * 300)
+    (root / "three.txt").write_text("gamma " * 100)
+    return root
+
+
+def test_val_documents_holds_out_whole_documents(tmp_path):
+    root = _corpus(tmp_path)
+    tok = Tokenizer(ByteTokenizer(), "byte")
+    files = tokenize_to_cache(str(root), tok, str(tmp_path / "cache"), 0.1, "a/two.txt")
+    decoded = lambda ids: bytes(int(i) for i in ids if i < 256).decode()
+    assert decoded(files.val) == "beta " * 300
+    train = decoded(files.train)
+    assert "beta" not in train and train.count("alpha") == 200 and train.count("gamma") == 100
+    # The fractional split (the default) is another cache, with text of every document in both.
+    split = tokenize_to_cache(str(root), tok, str(tmp_path / "cache"), 0.1)
+    assert split.directory != files.directory
+    assert {"alpha", "beta", "gamma"} <= set(decoded(split.val).split())
+
+
+def test_val_documents_errors_name_the_documents(tmp_path):
+    root = _corpus(tmp_path)
+    tok = Tokenizer(ByteTokenizer(), "byte")
+    names = [n for n, _ in read_documents(root)]
+    with pytest.raises(ValueError, match="not in") as e:
+        tokenize_to_cache(str(root), tok, str(tmp_path / "c"), 0.1, "a/missing.txt")
+    assert all(n in str(e.value) for n in names)
+    with pytest.raises(ValueError, match="no training"):
+        tokenize_to_cache(str(root), tok, str(tmp_path / "c"), 0.1, ",".join(names))
+
+
+def _row(mode, seed, final, best, train, setting="tiny"):
+    return {
+        "setting": setting,
+        "mode": mode,
+        "seed": seed,
+        "steps": 10,
+        "tokens": 1000,
+        "params": 5,
+        "final_val_loss": final,
+        "best_val_loss": best,
+        "final_train_loss": train,
+        "tokens_per_sec": 1.0,
+        "val_curve": [[5, best], [10, final]],
+        "device": "cpu",
+        "jax": "x",
+        "date": "d",
+        "command": "c",
+    }
+
+
+def test_report_gaps_and_seed_ranges(tmp_path):
+    rows = [
+        _row("bf16", 0, 2.00, 1.90, 1.5),
+        _row("bf16", 1, 2.10, 1.95, 1.6),
+        _row("coat", 0, 2.02, 1.96, 1.5),
+        _row("coat", 1, 2.30, 2.20, 1.7),
+        _row("coat", 1, 2.04, 1.94, 1.7),  # a re-run of seed 1: the newer line counts
+    ]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = accuracy.load_results([tmp_path])
+    assert len(loaded) == 4
+    summary = accuracy.summarize(loaded)
+    assert summary[("tiny", "coat")]["final"] == pytest.approx((2.03, 2.02, 2.04))
+    assert accuracy.gap(summary, "tiny", "coat", "final") == pytest.approx(100 * (2.03 / 2.05 - 1))
+    # best: coat 1.95 against bf16 1.925, +1.30%: outside 0.5%, inside bf16's range of 0.05.
+    assert accuracy.verdict(summary, "tiny", "coat", "best") == (
+        "+1.30%: outside 0.5%, inside BF16's seed range"
+    )
+    doc = tmp_path / "doc.md"
+    doc.write_text("old table\n" + accuracy.NOTES_MARKER + "\nmy reading\n")
+    text = accuracy.write_report(loaded, doc)
+    assert "old table" not in text and text.endswith("my reading\n")
+    assert "| COAT + coat_adamw | 0,1 | 2.0300 [2.0200, 2.0400] |" in text
+    assert (tmp_path / "doc.png").stat().st_size > 0
+
+
+def test_tiny_smoke_run(tmp_path):
+    """The CI smoke test of the study: two modes, a few steps, the report and its plot."""
+    out = tmp_path / "acc"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "accuracy.py"), "--tiny", "--steps", "6"]
+    cmd += ["--seeds", "0", "--modes", "bf16,coat", "--out", str(out)]
+    cmd += ["--override", f"cache_dir={tmp_path / 'cache'}", "compilation_cache_dir=null"]
+    cmd += ["eval_at_start=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r["seed"], r["steps"]) for r in rows] == [("bf16", 0, 6), ("coat", 0, 6)]
+    for r in rows:
+        assert np.isfinite(r["final_val_loss"]) and r["best_val_loss"] <= r["final_val_loss"]
+        assert r["val_curve"][-1] == [6, r["final_val_loss"]]
+        # eval_at_start: the untrained model's loss is logged as step 0, and is not the best.
+        assert r["val_curve"][0] == [0, r["initial_val_loss"]]
+        assert r["initial_val_loss"] > r["best_val_loss"]
+    text = (out / "accuracy.md").read_text()
+    assert "| BF16 + AdamW | 0 |" in text and "| COAT + coat_adamw | 0 |" in text
+    assert (out / "accuracy.png").stat().st_size > 0
+    assert "Before and after training" in text

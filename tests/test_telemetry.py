@@ -1,0 +1,366 @@
+"""coat_jax.training.telemetry: the optimizer state's quantization error and counts per step."""
+
+from __future__ import annotations
+
+import functools
+import json
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from coat_jax import coat_adamw, fp8_state, quant
+from coat_jax.optim import dequantized_moments
+from coat_jax.training import train
+from coat_jax.training.telemetry import SamplePlan, StateTelemetry, tensor_names
+from tests.fake_devices import run_on_fake_devices
+from tests.test_train import tiny
+
+B1, B2, CLIP = 0.9, 0.95, 0.5
+
+
+SHAPES = {"w": (40, 300), "b": (256,), "up": (3, 24, 256)}
+
+
+def problem(shapes=SHAPES, seed=0):
+    """Parameters (by default: a short last group, a vector, a stacked-layer tensor) and
+    gradients drawn per step, with moments that span several decades."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    params = {k: jax.random.normal(keys[0], s) for k, s in shapes.items() if k != "up"}
+    params["layers"] = {"up": jax.random.normal(keys[2], shapes["up"])}
+
+    def grads(step):
+        leaves, treedef = jax.tree.flatten(params)
+        ks = jax.random.split(jax.random.fold_in(keys[3], step), len(leaves))
+        spread = [
+            jnp.exp(3 * jax.random.normal(k, p.shape)) for k, p in zip(ks, leaves, strict=True)
+        ]
+        return treedef.unflatten(
+            [
+                s * jax.random.normal(k, p.shape)
+                for s, k, p in zip(spread, ks[::-1], leaves, strict=True)
+            ]
+        )
+
+    return params, grads
+
+
+STEPS = 3
+
+
+def run(tx, telemetries: dict):
+    """``STEPS`` steps of ``tx`` in one jitted program, each observed by every telemetry in
+    ``telemetries``: the last step's metrics by telemetry name, the states around that step."""
+    params, grads = problem()
+    state = tx.init(params)
+
+    def step(g, s, p):
+        results = {name: t.update(tx, g, s, p) for name, t in telemetries.items()}
+        updates, new_state, _ = next(iter(results.values()))
+        return updates, new_state, {name: r[2] for name, r in results.items()}
+
+    step = jax.jit(step)
+    for i in range(STEPS):
+        before = state
+        updates, state, metrics = step(grads(i), state, params)
+        params = optax.apply_updates(params, updates)
+    return jax.device_get(metrics), before, state
+
+
+def clipped(tx):
+    return optax.chain(optax.clip_by_global_norm(CLIP), tx)
+
+
+ADAMW = optax.adamw(1e-3, b1=B1, b2=B2)
+COAT = StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP)
+# Per optimizer, the telemetries that watch it.
+SETUPS = {
+    "coat": (
+        coat_adamw(1e-3, b1=B1, b2=B2),
+        {
+            "default": COAT,
+            # A sample of everything, and one of 4 groups per tensor.
+            "everything": StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, rows=10**6, groups=10**6),
+            "small": StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, rows=4, groups=1),
+            # Replays that are not the optimizer's: b1, or the clipping, wrong.
+            "wrong_b1": StateTelemetry(b1=0.8, b2=B2, grad_clip=CLIP),
+            "no_clip": StateTelemetry(b1=B1, b2=B2),
+        },
+    ),
+    # "w" keeps float32 moments; the others are stored as in "coat", step for step.
+    "coat_w_float32": (
+        coat_adamw(
+            1e-3, b1=B1, b2=B2, fp8_mask=lambda p: {**jax.tree.map(lambda _: True, p), "w": False}
+        ),
+        {"default": COAT},
+    ),
+    "fp8_state_adamw": (fp8_state(ADAMW), {"default": StateTelemetry(grad_clip=CLIP, inner=ADAMW)}),
+    "adamw": (ADAMW, {"default": StateTelemetry(grad_clip=CLIP, inner=ADAMW)}),
+}
+
+
+@functools.cache
+def observed(setup: str):
+    tx, telemetries = SETUPS[setup]
+    return run(clipped(tx), telemetries)
+
+
+def metrics_of(setup: str, telemetry: str = "default") -> dict:
+    return observed(setup)[0][telemetry]
+
+
+def test_relative_error_is_small_for_fp8_state_and_zero_for_float32():
+    coat, optax_fp8 = metrics_of("coat"), metrics_of("fp8_state_adamw")
+    print({k: float(v) for k, v in coat.items() if "rel_err" in k})
+    for m in (coat, optax_fp8):
+        for f in ("mu", "nu"):
+            # E4M3 with DRE: per cent level on these wide-range moments, never exact.
+            assert 1e-3 < m[f"state/{f}_rel_err"] <= m[f"state/{f}_rel_err_max"] < 0.2
+            assert 0 <= m[f"state/{f}_flushed"] < 1e-3
+            assert m[f"state/{f}_groups"] == 120 + 2 + 3 * 24 * 2
+    # The same algorithm and storage: fp8_state(adamw) and coat_adamw agree closely.
+    for f in ("mu", "nu"):
+        assert optax_fp8[f"state/{f}_rel_err"] == pytest.approx(
+            coat[f"state/{f}_rel_err"], rel=0.05
+        )
+    # Float32 moments carry no quantization error: left out of the error, never the worst.
+    mixed = metrics_of("coat_w_float32")
+    w = tensor_names(problem()[0]).index("['w']")
+    for f in ("mu", "nu"):
+        assert 0 < mixed[f"state/{f}_rel_err"] and mixed[f"state/{f}_worst_tensor"] != w
+        assert mixed[f"state/{f}_groups"] == 2 + 3 * 24 * 2
+    plain = metrics_of("adamw")
+    for f in ("mu", "nu"):
+        assert plain[f"state/{f}_rel_err"] == 0 and plain[f"state/{f}_worst_tensor"] == -1
+        assert plain[f"state/{f}_groups"] == 0 and plain[f"state/{f}_saturated"] == 0
+
+
+@pytest.mark.parametrize("wrong", ["wrong_b1", "no_clip"])
+def test_a_replay_that_is_not_the_optimizer_shows(wrong):
+    # The relative error measures the replay too: with b1 or the clipping not the optimizer's,
+    # the "float32 moment" is another number and the error is far larger.
+    right = metrics_of("coat")["state/mu_rel_err"]
+    assert metrics_of("coat", wrong)["state/mu_rel_err"] > 3 * right
+
+
+def full_relative_errors(before, g, after):
+    """Brute force over whole tensors, from the COAT states around the last step and its
+    gradient: the mean of |dequantized - float32 replay| / |replay| over each tensor's non-zero
+    values, per tensor and over all."""
+    old_mu, old_nu = dequantized_moments(before)
+    norm = optax.tree.norm(g)
+    g = jax.tree.map(lambda x: x * min(1.0, CLIP / norm), g)
+    exact = {
+        "mu": jax.tree.map(lambda m, x: B1 * m + (1 - B1) * x, old_mu, g),
+        "nu": jax.tree.map(lambda v, x: B2 * v + (1 - B2) * x * x, old_nu, g),
+    }
+    stored = dict(zip(("mu", "nu"), dequantized_moments(after), strict=True))
+    out = {}
+    for f in ("mu", "nu"):
+        rel = [
+            np.abs(s - e)[e != 0] / np.abs(e[e != 0])
+            for s, e in zip(jax.tree.leaves(stored[f]), jax.tree.leaves(exact[f]), strict=True)
+        ]
+        out[f] = (np.array([r.mean() for r in rel]), np.concatenate(rel).mean())
+    return out
+
+
+def test_sampled_error_estimates_the_whole_tensors():
+    metrics, before, after = observed("coat")
+    full = full_relative_errors(before, problem()[1](STEPS - 1), after)
+    for f in ("mu", "nu"):
+        per_tensor, pooled = full[f]
+        # A sample that covers everything is the whole computation (up to float32 rounding
+        # of the replay and the sums).
+        everything = metrics["everything"]
+        assert everything[f"state/{f}_rel_err"] == pytest.approx(pooled, rel=1e-3)
+        assert everything[f"state/{f}_rel_err_max"] == pytest.approx(per_tensor.max(), rel=1e-3)
+        assert everything[f"state/{f}_worst_tensor"] == int(np.argmax(per_tensor))
+        # A few groups per tensor estimate it (the same quantizer on like-distributed values).
+        small = metrics["small"][f"state/{f}_rel_err"]
+        assert 0.8 * pooled < small < 1.25 * pooled, (f, pooled, small)
+
+
+def test_sample_plan_picks_rows_and_groups_evenly():
+    # A scanned layer stack keeps every layer; rows spread over the other leading axes.
+    plan = SamplePlan.for_shape((3, 24, 1000), stacked=True, rows=4, groups=3, group_size=128)
+    assert plan.row_slices == ((1, 6, 4),) and (plan.group_stride, plan.group_count) == (2, 3)
+    x = jnp.arange(3 * 24 * 1000).reshape(3, 24, 1000)
+    values = np.asarray(plan.values(x)).reshape(3, 4, 3, 128)
+    for layer, row, group in np.ndindex(3, 4, 3):
+        start = group * 2 * 128
+        expected = np.asarray(x[layer, row * 6, start : start + 128])
+        np.testing.assert_array_equal(values[layer, row, group, : len(expected)], expected)
+    stats = np.asarray(plan.stats(jnp.arange(3 * 24 * 8).reshape(3, 24, 8)))
+    assert stats.shape == (3, 4, 3) and stats[1, 2].tolist() == [
+        1 * 192 + 12 * 8 + g for g in (0, 2, 4)
+    ]
+    # The last group of 1000 values is short: zero-padded.
+    plan = SamplePlan.for_shape((1000,), stacked=False, rows=4, groups=8, group_size=128)
+    assert plan.row_slices == () and np.asarray(plan.values(jnp.ones(1000)))[-24:].sum() == 0
+    # Unstacked: the budget of rows goes to the first axis first.
+    plan = SamplePlan.for_shape((5, 7, 9), stacked=False, rows=10, groups=1, group_size=128)
+    assert plan.row_slices == ((1, 3, 2),)
+    assert SamplePlan.for_shape((), stacked=False, rows=4, groups=4, group_size=128) is None
+
+
+# ----------------------------------------------------------------------------- counts
+
+
+def constant_tx(state):
+    """An optimizer whose update returns ``state``: the counts then read a state made by hand."""
+    return optax.GradientTransformation(lambda p: state, lambda u, s, p=None: (u, state))
+
+
+def test_counts_of_a_state_made_by_hand():
+    params = {"a": jnp.ones((4, 256)), "b": jnp.ones((2, 128))}  # 8 + 2 groups
+    state = coat_adamw(1e-3, nu_format="e5m2").init(params)
+    (coat, *_) = state
+    mu_a = np.zeros((4, 256), np.float32)
+    mu_a[0, :3] = 448.0
+    mu_a[1, 7] = mu_a[3, 200] = -448.0
+    mu_a[2, 5] = 416.0  # the largest code below the maximum
+    mu_b = np.zeros((2, 128), np.float32)
+    mu_b[1, 0] = np.nan
+    nu_a = np.zeros((4, 256), np.float32)
+    nu_a[0, 0] = nu_a[1, 1] = 57344.0  # E5M2's maximum; 448 is not one there
+    nu_a[2, 2] = 448.0
+    mu_expand = {"a": np.full((4, 2), 1.5, np.float32), "b": np.full((2, 1), 1.5, np.float32)}
+    mu_expand["a"][0, 0] = 1 / 16
+    mu_expand["a"][1, 1] = mu_expand["a"][2, 0] = quant.MAX_EXPAND
+    mu_expand["b"][0, 0] = quant.MAX_EXPAND
+    nu_scale = {"a": np.ones((4, 2), np.float32), "b": np.ones((2, 1), np.float32)}
+    nu_scale["b"][1, 0] = np.inf
+    coat = coat._replace(
+        mu_codes={
+            "a": jnp.asarray(mu_a, jnp.float8_e4m3fn),
+            "b": jnp.asarray(mu_b, jnp.float8_e4m3fn),
+        },
+        mu_expand=jax.tree.map(jnp.asarray, mu_expand),
+        nu_codes={"a": jnp.asarray(nu_a, jnp.float8_e5m2), "b": coat.nu_codes["b"]},
+        nu_scale=jax.tree.map(jnp.asarray, nu_scale),
+    )
+    state = (coat, *state[1:])
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, _, metrics = jax.jit(lambda s: StateTelemetry().update(constant_tx(s), grads, s, params))(
+        state
+    )
+    metrics = jax.device_get(metrics)
+    assert metrics["state/mu_saturated"] == 5
+    assert metrics["state/mu_nonfinite"] == 1
+    assert metrics["state/mu_k_floor"] == 1 and metrics["state/mu_k_cap"] == 3
+    assert metrics["state/mu_groups"] == 10 and metrics["state/nu_groups"] == 10
+    assert metrics["state/nu_saturated"] == 2
+    assert metrics["state/nu_nonfinite"] == 1
+    # The initial all-zero groups of nu sit at the cap.
+    assert metrics["state/nu_k_floor"] == 0 and metrics["state/nu_k_cap"] == 10
+    # The NaN makes its tensor the worst one, with a NaN error.
+    assert tensor_names(params)[metrics["state/mu_worst_tensor"]] == "['b']"
+    assert np.isnan(metrics["state/mu_rel_err_max"])
+
+
+def test_optimizer_state_it_cannot_read_is_a_clear_error():
+    params = {"w": jnp.ones((2, 128))}
+    tx = optax.adamw(1e-3)
+    with pytest.raises(ValueError, match="neither COAT .* nor fp8_state"):
+        StateTelemetry().update(tx, params, tx.init(params), params)
+    with pytest.raises(ValueError, match="rows must be a positive int"):
+        StateTelemetry(rows=0)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def test_a_train_run_logs_the_telemetry_and_trains_as_without(tmp_path, cache_dir):
+    records = {}
+    for on in (False, True):
+        out = tmp_path / f"telemetry_{on}"
+        flags = ["steps=3", "log_every=2", "model.num_hidden_layers=1", f"telemetry={on}".lower()]
+        train(tiny(out, cache_dir, *flags))
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records[on] = [r for r in map(json.loads, lines) if "loss" in r]
+    off, on = records[False], records[True]
+    assert [r["step"] for r in on] == [1, 2, 3]
+    # The telemetry only observes: the same losses and gradient norms, bit for bit.
+    assert [(r["loss"], r["grad_norm"]) for r in on] == [(r["loss"], r["grad_norm"]) for r in off]
+    assert not any(k.startswith("state/") for k in off[-1])
+    last = on[-1]
+    for f in ("mu", "nu"):
+        assert 0 < last[f"state/{f}_rel_err"] <= last[f"state/{f}_rel_err_max"] < 0.05
+        assert last[f"state/{f}_nonfinite"] == 0
+        assert 0 < last[f"state/{f}_saturated"] <= 2 * last[f"state/{f}_groups"]
+        assert 0 <= last[f"state/{f}_flushed"] < 0.01
+        assert isinstance(last[f"state/{f}_worst_tensor"], int)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("caches"))
+
+
+SHARDED = textwrap.dedent(
+    """
+    import re
+    import jax, numpy as np, optax
+    from coat_jax import coat_adamw
+    from coat_jax.training import sharding
+    from coat_jax.training.telemetry import StateTelemetry
+    from tests.test_telemetry import problem, B1, B2, CLIP
+
+    # Both split along their last axis on 4 devices: the case a careless slice gathers.
+    params, grads = problem({"w": (256, 1024), "up": (2, 256, 512)})
+    mesh = sharding.make_mesh(1, 4)
+    tx = optax.chain(optax.clip_by_global_norm(CLIP), coat_adamw(1e-3, b1=B1, b2=B2))
+    telemetry = StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, rows=4, groups=2)
+    p_sh = sharding.param_shardings(params, mesh)
+    assert p_sh["w"].spec == jax.sharding.PartitionSpec(None, "fsdp"), p_sh
+    s_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params, mesh)
+
+    def largest_collective(fn, *args):
+        # Values of the largest array any collective of fn's program moves.
+        largest = 0
+        for line in jax.jit(fn).lower(*args).compile().as_text().splitlines():
+            op = re.search(
+                r"= (.*?) (all-gather|collective-permute|all-to-all|all-reduce|reduce-scatter)"
+                r"(-start)?\\(",
+                line,
+            )
+            if op:
+                for dims in re.findall(r"\\w+\\[([0-9,]*)\\]", op.group(1)):
+                    largest = max(largest, int(np.prod([int(d) for d in dims.split(",") if d])))
+        return largest
+
+    results = {}
+    for name, p_s, s_s in (("one", None, None), ("four", p_sh, s_sh)):
+        p = params if p_s is None else jax.device_put(params, p_s)
+        state = tx.init(p)
+        state = state if s_s is None else jax.device_put(state, s_s)
+        step = jax.jit(lambda g, s, p: telemetry.update(tx, g, s, p))
+        for i in range(2):
+            g = grads(i) if p_s is None else jax.device_put(grads(i), p_s)
+            _, state, metrics = step(g, state, p)
+        results[name] = jax.device_get(metrics)
+    one, four = results["one"], results["four"]
+    for k in one:
+        if "rel_err" in k:
+            assert abs(one[k] - four[k]) <= 1e-3 * abs(one[k]), (k, one[k], four[k])
+        else:
+            assert one[k] == four[k], (k, one[k], four[k])
+    # The telemetry moves sampled values between devices, never whole rows or shards: no
+    # collective carries more than the largest tensor's sample (2 layers x 4 rows x 2 groups).
+    plain = largest_collective(lambda g, s, p: tx.update(g, s, p), g, state, p)
+    observed = largest_collective(lambda g, s, p: telemetry.update(tx, g, s, p), g, state, p)
+    print("largest collective", plain, observed)
+    assert observed <= max(plain, 2 * 4 * 2 * 128)
+    print("OK")
+    """
+)
+
+
+def test_sharded_state_gives_the_one_device_metrics():
+    out = run_on_fake_devices(SHARDED, devices=4, timeout=240)
+    print(out)
+    assert out.strip().endswith("OK")

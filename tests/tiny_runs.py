@@ -1,0 +1,31 @@
+"""The trainer overrides the tests' short runs share: a tiny Llama and quiet bookkeeping."""
+
+
+def tiny_run(
+    *,
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seq_len: int = 32,
+    batch_size: int = 8,
+) -> list[str]:
+    """``key=value`` overrides of configs/default.yaml for a run of a few seconds on a CPU."""
+    return [
+        "model.vocab_size=258",
+        f"model.hidden_size={hidden}",
+        f"model.intermediate_size={intermediate}",
+        f"model.num_hidden_layers={layers}",
+        f"model.num_attention_heads={heads}",
+        f"model.num_key_value_heads={kv_heads}",
+        "model.head_dim=16",
+        f"seq_len={seq_len}",
+        f"batch_size={batch_size}",
+        "warmup_steps=2",
+        "log_every=1",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+        "progress_bar=false",
+        "sample_prompt=null",
+    ]
