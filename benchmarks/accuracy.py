@@ -291,7 +291,7 @@ def write_report(rows: list[dict], doc: Path) -> str:
         "is read from the runs' own `metrics.jsonl`. Validation loss is measured on held-out text",
         f"(`{HELD_OUT}`, held out whole and never trained on). Each cell: the mean over seeds,",
         "then [min, max] over seeds; gap: the mode's mean against BF16 + AdamW's, in %, and",
-        "whether the mode's mean lies within BF16's own seed range (max minus min).",
+        "whether the two means differ by at most BF16's own seed range (its max minus min).",
         "",
         f"![validation curves]({plot.name})",
         "",
