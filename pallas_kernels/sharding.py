@@ -10,7 +10,7 @@ sharding XLA decides later (outside explicit-sharding mode), so
 
 * the FP8 activation ops take a :class:`KernelMesh` (``FP8Config(mesh=...)``): activations are
   split along their leading (batch) axis over ``batch_axes`` and replicated over the other mesh
-  axes; weights are split by the FSDP rule of ``coat_jax.training.sharding.fsdp_spec`` over
+  axes; weights are split by the FSDP rule of :func:`fsdp_spec` (the trainer's layout) over
   ``param_axis``;
 * the optimizer takes ``mesh=`` and, per parameter, a ``PartitionSpec`` (by default the same FSDP
   rule, which keeps whole quantization groups on each shard), and :func:`group_aligned_spec`
@@ -156,7 +156,7 @@ class KernelMesh:
         return PartitionSpec(self.batch_axes)
 
     def param_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
-        """A weight's spec by the trainer's FSDP rule (``fsdp_spec``) over ``param_axis``."""
+        """A weight's spec by the trainer's FSDP rule (:func:`fsdp_spec`) over ``param_axis``."""
         if self.param_axis is None:
             return PartitionSpec()
         return fsdp_rule(shape, self.mesh, self.param_axis)
@@ -174,11 +174,45 @@ class KernelMesh:
         return lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
 
-def fsdp_rule(shape: tuple[int, ...], mesh: Mesh, axis: str = "fsdp") -> PartitionSpec:
-    """``coat_jax.training.sharding.fsdp_spec`` over mesh axis ``axis``: the trainer's layout."""
-    # Imported here: coat_jax.training imports the optimizer, which imports this module.
-    from coat_jax.training.sharding import fsdp_spec
+# COAT's quantization group (coat_jax.optim.DEFAULT_GROUP_SIZE, coat_jax.fp8_state's default):
+# a split of the last axis keeps whole groups per shard.
+GROUP_SIZE = 128
 
+
+def fsdp_spec(
+    shape: tuple[int, ...], fsdp_size: int, group_size: int = GROUP_SIZE
+) -> PartitionSpec:
+    """Splits the largest axis ``fsdp_size`` divides into whole groups; else replicates.
+
+    An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
+    quantization groups of ``group_size`` values run along) only when each shard's length is a
+    multiple of ``group_size``. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
+    projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
+    ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
+    rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
+
+    Example:
+      >>> fsdp_spec((4096, 11008), 8)
+      P('fsdp', None)
+      >>> fsdp_spec((64,), 4)  # 16 values per shard: not a whole group
+      P()
+    """
+    if fsdp_size == 1 or not shape:
+        return PartitionSpec()
+    last = len(shape) - 1
+    candidates = [
+        i
+        for i, d in enumerate(shape)
+        if d % fsdp_size == 0 and (i < last or (d // fsdp_size) % group_size == 0)
+    ]
+    if not candidates:
+        return PartitionSpec()
+    axis = max(candidates, key=lambda i: (shape[i], -i))
+    return PartitionSpec(*[("fsdp" if i == axis else None) for i in range(len(shape))])
+
+
+def fsdp_rule(shape: tuple[int, ...], mesh: Mesh, axis: str = "fsdp") -> PartitionSpec:
+    """:func:`fsdp_spec` over mesh axis ``axis``: the trainer's parameter layout."""
     spec = fsdp_spec(tuple(shape), mesh.shape[axis])
     return PartitionSpec(*[axis if entry == "fsdp" else entry for entry in spec])
 

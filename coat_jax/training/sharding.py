@@ -25,11 +25,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+# The FSDP rule lives with the kernels that run on its shards; the trainer uses it from here.
+from pallas_kernels.sharding import GROUP_SIZE, fsdp_spec  # noqa: F401 - public here too
+
 AXES = ("data", "fsdp")
 BATCH_AXES = AXES
-# COAT's quantization group (coat_jax.optim.DEFAULT_GROUP_SIZE, coat_jax.fp8_state's default):
-# a split of the last axis keeps whole groups per shard.
-GROUP_SIZE = 128
 
 
 def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
@@ -49,38 +49,6 @@ def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
             f"mesh data={data} x fsdp={fsdp} needs {data * fsdp} devices, only {n} available"
         )
     return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), AXES)
-
-
-def fsdp_spec(
-    shape: tuple[int, ...], fsdp_size: int, group_size: int = GROUP_SIZE
-) -> PartitionSpec:
-    """Splits the largest axis ``fsdp_size`` divides into whole groups; else replicates.
-
-    An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
-    quantization groups of ``group_size`` values run along) only when each shard's length is a
-    multiple of ``group_size``. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
-    projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
-    ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
-    rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
-
-    Example:
-      >>> fsdp_spec((4096, 11008), 8)
-      P('fsdp', None)
-      >>> fsdp_spec((64,), 4)  # 16 values per shard: not a whole group
-      P()
-    """
-    if fsdp_size == 1 or not shape:
-        return PartitionSpec()
-    last = len(shape) - 1
-    candidates = [
-        i
-        for i, d in enumerate(shape)
-        if d % fsdp_size == 0 and (i < last or (d // fsdp_size) % group_size == 0)
-    ]
-    if not candidates:
-        return PartitionSpec()
-    axis = max(candidates, key=lambda i: (shape[i], -i))
-    return PartitionSpec(*[("fsdp" if i == axis else None) for i in range(len(shape))])
 
 
 def _is_stacked_layer(path) -> bool:
