@@ -408,7 +408,7 @@ def main(argv=None) -> int:
         "--tiny", action="store_true", help="--setting tiny, every mode, seeds 0,1, and the report"
     )
     p.add_argument("--modes", default=None, help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds", default=None, help="comma-separated (0,1,2; 0,1 with --tiny)")
     p.add_argument("--steps", type=int, default=None, help="override the setting's steps")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "accuracy")
     p.add_argument("--tokenizer", default=str(REPO / "runs" / "smollm2_tokenizer"))
@@ -431,10 +431,7 @@ def main(argv=None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
-    seeds = [
-        int(s)
-        for s in (args.seeds if not (args.tiny and args.seeds == "0,1,2") else "0,1").split(",")
-    ]
+    seeds = [int(s) for s in (args.seeds or ("0,1" if args.tiny else "0,1,2")).split(",")]
     if SETTINGS[setting].get("tokenizer") and not Path(args.tokenizer).exists():
         save_tokenizer(Path(args.tokenizer))
     for mode in modes:

@@ -117,6 +117,9 @@ def test_base_inheritance_and_overrides(tmp_path):
         ("warmup_steps=10000", r"warmup_steps must be in \[0, steps=600\)"),
         ("b2=1.0", r"b2 must be in \[0, 1\)"),
         ("steps", r"not of the form key=value"),
+        ("val_documents=[a", r"the value is not valid YAML .*; quote it"),
+        ("val_documents= , ", r"the value is not valid YAML"),
+        ("val_documents=' , '", r"val_documents must name documents"),
     ],
 )
 def test_bad_config_is_a_clear_error(override, message):

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from coat_jax.llama import REMAT_POLICIES, LlamaConfig
+from coat_jax.training.data import split_names
 
 # The ``model`` section is a :class:`coat_jax.llama.LlamaConfig` (one source of truth for the
 # architecture, ``rope_scaling`` included). Keys a config leaves out take these values, the tiny
@@ -213,9 +214,7 @@ class TrainConfig:
             )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        if self.val_documents is not None and not [
-            n for n in self.val_documents.split(",") if n.strip()
-        ]:
+        if self.val_documents is not None and not split_names(self.val_documents):
             raise ValueError(
                 "val_documents must name documents (comma-separated, e.g. "
                 "austen/persuasion.txt) or be null (a val_fraction of every document)"
@@ -275,7 +274,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not of the form key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else None)
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ValueError(
+                f"override {item!r}: the value is not valid YAML ({e.problem}); quote it, e.g. "
+                f"{key}='\"{text}\"'"
+            ) from None
+        _set_dotted(raw, key.strip(), value)
     return from_dict(raw)
 
 
