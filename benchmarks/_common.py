@@ -1,4 +1,5 @@
-"""Shared helpers of the layer and end-to-end benchmarks (issue 7).
+"""Shared helpers of the layer and end-to-end benchmarks (docs/design.md, 'Where the
+measurements live').
 
 Everything here measures, nothing estimates: memory comes from XLA (``memory_analysis()`` of the
 compiled executable and the allocator's ``memory_stats()``), FP8 GEMMs from the compiled HLO.

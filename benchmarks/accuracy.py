@@ -267,7 +267,10 @@ def gap(summary: dict, setting: str, mode: str, metric: str) -> float | None:
 
 
 def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
-    """Against issue 14's targets: within 0.5% of BF16's mean, and within BF16's seed range."""
+    """Against the study's targets: within 0.5% of BF16's mean, and within BF16's seed range.
+
+    docs/design.md, 'Where the measurements live'.
+    """
     g = gap(summary, setting, mode, metric)
     if g is None:
         return "-"

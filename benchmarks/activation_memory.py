@@ -3,7 +3,8 @@
 Counts the residuals ``jax.vjp`` keeps for backward (``coat_jax.residuals``: traced with
 ``jax.make_jaxpr`` / ``jax.eval_shape``, nothing is computed or allocated), in units of
 U = batch * seq * hidden * 2 bytes (COAT paper, Table 2). Attention on the CPU goes through
-``jax.checkpoint`` (SPEC section 3), so it keeps q, k, v as cuDNN's flash attention would.
+``jax.checkpoint`` (docs/design.md, 'The precision flow'), so it keeps q, k, v as cuDNN's flash
+attention would.
 
 Rows:
 * bf16, fp8, coat -- ``coat_jax.llama.DecoderLayer`` with ``ops_for(mode)``: the model as

@@ -46,6 +46,11 @@ LAYOUTS = ("scan", "unrolled")
 OPTIMIZER = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
 CONFIG_7B = os.path.join(ROOT, "configs", "llama2_7b.yaml")
 CONFIG_TINY = os.path.join(ROOT, "configs", "default.yaml")
+MODEL_NAMES = {
+    "configs/llama2_7b.yaml": "Llama-2-7B",
+    "configs/llama3_8b.yaml": "Llama-3-8B",
+    "configs/default.yaml": "tiny",
+}
 TINY_MODEL = [
     "model.vocab_size=256",
     "model.hidden_size=64",
@@ -95,9 +100,18 @@ def setting_name(mode: str, layout: str, remat: str, extra: str = "") -> str:
 
 
 def trainer_config(
-    mode: str, layout: str, remat: str, extra: str = "", *, seq: int, batch: int, tiny: bool
+    mode: str,
+    layout: str,
+    remat: str,
+    extra: str = "",
+    *,
+    seq: int,
+    batch: int,
+    tiny: bool,
+    config: str = CONFIG_7B,
 ):
-    """The training config ``train.py`` would run for this setting (7B, or tiny on the CPU)."""
+    """The training config ``train.py`` would run for this setting (``config``, or tiny on the
+    CPU)."""
     from coat_jax.training import load_config
 
     overrides = [
@@ -115,7 +129,7 @@ def trainer_config(
     ]
     if tiny:
         overrides += TINY_MODEL + ["compute_dtype=bfloat16"]
-    return load_config(CONFIG_TINY if tiny else CONFIG_7B, overrides)
+    return load_config(CONFIG_TINY if tiny else config, overrides)
 
 
 def flops_per_step(config, batch: int, seq: int) -> float:
@@ -152,7 +166,9 @@ def worker(args) -> None:
     start = time.monotonic()
     deadline = start + args.child_budget_s
     env = C.environment()
-    cfg = trainer_config(mode, layout, remat, extra, seq=seq, batch=b0, tiny=tiny)
+    cfg = trainer_config(
+        mode, layout, remat, extra, seq=seq, batch=b0, tiny=tiny, config=args.config
+    )
     program = build_program(cfg, cfg.model)
     config = cfg.model
     base = {
@@ -162,6 +178,7 @@ def worker(args) -> None:
         "remat": remat,
         "optimizer": OPTIMIZER[mode],
         "seq": seq,
+        "config": os.path.relpath(CONFIG_TINY if tiny else args.config, ROOT),
         **env,
     }
 
@@ -349,7 +366,7 @@ def first_step(args, jsonl: str, overrides: list[str]) -> None:
 
     out = os.path.join(args.out_dir, "first_step_run")
     shutil.rmtree(out, ignore_errors=True)
-    config = CONFIG_TINY if args.tiny else CONFIG_7B
+    config = CONFIG_TINY if args.tiny else args.config
     cmd = [
         sys.executable,
         os.path.join(ROOT, "train.py"),
@@ -439,12 +456,14 @@ def _best(by, mode, key, lower_is_better=False, options=False):
 def write_docs(path: str | None, records: list[dict], equal_batch: int, command: str) -> str:
     by = summarize(records)
     env = next((r for r in records if r["kind"] == "setup"), None)
-    lines = ["# train.py's Llama-2-7B training step on one GPU: BF16 against COAT", ""]
+    config = env.get("config", "configs/llama2_7b.yaml") if env else "configs/llama2_7b.yaml"
+    model = MODEL_NAMES.get(config, config)
+    lines = [f"# train.py's {model} training step on one GPU: BF16 against COAT", ""]
     if env:
         lines += [
             f"Measured {env['date']} on {env['device']} with JAX {env['jax']}, by `{command}`.",
             f"Sequence length {env['seq']}. Every number comes from `train.py`'s own step: "
-            "`configs/llama2_7b.yaml` loaded by `coat_jax.training.load_config`, the step built "
+            f"`{config}` loaded by `coat_jax.training.load_config`, the step built "
             "by `coat_jax.training.loop.build_program` (forward, backward, gradient clipping, "
             "optimizer with the config's schedule; parameters and optimizer state donated; "
             "float32 master weights; bfloat16 activations), each setting in its own process. "
@@ -586,6 +605,7 @@ def main(argv=None) -> None:
     p.add_argument("--first-step-overrides", default="", help="key=value,... for that train.py")
     p.add_argument("--first-step-budget-s", type=float, default=300.0)
     p.add_argument("--tiny", action="store_true", help="3 small layers on the CPU: a smoke test")
+    p.add_argument("--config", default=CONFIG_7B, help="the train.py config (llama2_7b.yaml)")
     p.add_argument("--out-dir", default="runs/bench_e2e")
     p.add_argument("--docs", default=None, help="write the markdown table here")
     p.add_argument("--no-child-logs", action="store_true", help="no per-setting log files")
@@ -628,6 +648,7 @@ def main(argv=None) -> None:
         f"--max-batch={args.max_batch}",
         f"--max-search-compiles={args.max_search_compiles}",
         f"--jsonl={jsonl}",
+        f"--config={os.path.abspath(args.config)}",
     ]
     passthrough += ["--tiny"] if args.tiny else []
     passthrough += ["--no-search"] if args.no_search else []

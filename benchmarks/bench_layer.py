@@ -1,4 +1,4 @@
-"""One Llama-2-7B decoder layer, forward + backward: bf16 vs fp8 vs COAT side by side (issue 7).
+"""One Llama-2-7B decoder layer, forward + backward: bf16 vs fp8 vs COAT side by side.
 
 The layer is the trainer's own model (``configs/llama2_7b.yaml`` with ``num_hidden_layers=1``,
 built by ``coat_jax.training.loop.build_program``; hidden 4096, intermediate 11008, 32 heads):

@@ -1,79 +1,131 @@
 """coat-jax: COAT (FP8 optimizer states and FP8 activations) for JAX, Flax and Optax.
 
-Public names are imported on first use (PEP 562), so that ``import coat_jax.quant`` from the
-Pallas kernels does not pull in the whole library, and the library in turn can import the kernels.
+The public names are imported here, from the modules that define them. The import order runs one
+way (docs/design.md, 'Layers'): ``pallas_kernels`` (codecs and kernels) imports nothing of
+``coat_jax``, so importing the library imports the kernels and never the other way round.
+
+One module is the exception: ``coat_jax.generate`` is also a command line (``python -m
+coat_jax.generate``), and ``python -m`` warns on stderr when the package it runs from has already
+imported the module it is about to run. Its three names are therefore imported on first use
+(PEP 562); they are listed in ``__all__`` and, for static tools, under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+from coat_jax import checkpoint_io, fp8_ops, llama, memory, optim, quant, tokenizer
+from coat_jax.checkpoint_io import from_pretrained, save_pretrained
+from coat_jax.fp8_ops import (
+    FP8Config,
+    OpSet,
+    fp8_add,
+    fp8_attention,
+    fp8_compiler_options,
+    fp8_dot_general,
+    fp8_linear,
+    fp8_mul,
+    fp8_rmsnorm,
+    fp8_silu,
+    fp8_swiglu,
+    ops_for,
+)
+from coat_jax.fp8_wrapper import (
+    FP8State,
+    dequantized_state,
+    find_fp8_states,
+    fp8_state,
+    full_precision_paths,
+    quantized_paths,
+)
+from coat_jax.llama import Llama, LlamaConfig, RopeScaling
+from coat_jax.losses import cross_entropy_from_hidden
+from coat_jax.master import apply_updates_stochastic, float32_optimizer, stochastic_round
+from coat_jax.memory import activation_bytes, activation_bytes_by_dtype, residuals
+from coat_jax.optim import (
+    ScaleByCoatAdamState,
+    apply_gradients,
+    coat_adamw,
+    dequantized_moments,
+    find_coat_states,
+    scale_by_coat_adam,
+)
+from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from coat_jax.generate import generate, generate_ids, sample_text
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it. To export a name, add it here.
-_EXPORTS = {
-    # FP8 optimizer states
-    "ScaleByCoatAdamState": "coat_jax.optim",
-    "coat_adamw": "coat_jax.optim",
-    "dequantized_moments": "coat_jax.optim",
-    "find_coat_states": "coat_jax.optim",
-    "scale_by_coat_adam": "coat_jax.optim",
-    # FP8 state for any optax optimizer
-    "FP8State": "coat_jax.fp8_wrapper",
-    "dequantized_state": "coat_jax.fp8_wrapper",
-    "find_fp8_states": "coat_jax.fp8_wrapper",
-    "fp8_state": "coat_jax.fp8_wrapper",
-    "full_precision_paths": "coat_jax.fp8_wrapper",
-    "quantized_paths": "coat_jax.fp8_wrapper",
-    # FP8 activations
-    "FP8Config": "coat_jax.fp8_ops",
-    "OpSet": "coat_jax.fp8_ops",
-    "fp8_add": "coat_jax.fp8_ops",
-    "fp8_attention": "coat_jax.fp8_ops",
-    "fp8_compiler_options": "coat_jax.fp8_ops",
-    "fp8_dot_general": "coat_jax.fp8_ops",
-    "fp8_linear": "coat_jax.fp8_ops",
-    "fp8_mul": "coat_jax.fp8_ops",
-    "fp8_rmsnorm": "coat_jax.fp8_ops",
-    "fp8_silu": "coat_jax.fp8_ops",
-    "fp8_swiglu": "coat_jax.fp8_ops",
-    "ops_for": "coat_jax.fp8_ops",
-    "activation_bytes": "coat_jax.memory",
-    "activation_bytes_by_dtype": "coat_jax.memory",
-    "residuals": "coat_jax.memory",
-    # Memory beyond the paper: chunked cross-entropy, BF16 master weights
-    "cross_entropy_from_hidden": "coat_jax.losses",
-    "apply_updates_stochastic": "coat_jax.master",
-    "float32_optimizer": "coat_jax.master",
-    "stochastic_round": "coat_jax.master",
-    # Llama and checkpoints
-    "Llama": "coat_jax.llama",
-    "LlamaConfig": "coat_jax.llama",
-    "RopeScaling": "coat_jax.llama",
-    "from_pretrained": "coat_jax.checkpoint_io",
-    "save_pretrained": "coat_jax.checkpoint_io",
-    "ByteTokenizer": "coat_jax.tokenizer",
-    "load_tokenizer": "coat_jax.tokenizer",
-    # Sampling
-    "generate": "coat_jax.generate",
-    "generate_ids": "coat_jax.generate",
-    "sample_text": "coat_jax.generate",
-}
-_SUBMODULES = ("quant", "optim", "fp8_ops", "memory", "llama", "checkpoint_io", "tokenizer")
+_FROM_GENERATE = ("generate", "generate_ids", "sample_text")
 
-__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+__all__ = [
+    # FP8 optimizer states
+    "ScaleByCoatAdamState",
+    "apply_gradients",
+    "coat_adamw",
+    "dequantized_moments",
+    "find_coat_states",
+    "scale_by_coat_adam",
+    # FP8 state for any optax optimizer
+    "FP8State",
+    "dequantized_state",
+    "find_fp8_states",
+    "fp8_state",
+    "full_precision_paths",
+    "quantized_paths",
+    # FP8 activations
+    "FP8Config",
+    "OpSet",
+    "fp8_add",
+    "fp8_attention",
+    "fp8_compiler_options",
+    "fp8_dot_general",
+    "fp8_linear",
+    "fp8_mul",
+    "fp8_rmsnorm",
+    "fp8_silu",
+    "fp8_swiglu",
+    "ops_for",
+    "activation_bytes",
+    "activation_bytes_by_dtype",
+    "residuals",
+    # Memory beyond the paper: chunked cross-entropy, BF16 master weights
+    "cross_entropy_from_hidden",
+    "apply_updates_stochastic",
+    "float32_optimizer",
+    "stochastic_round",
+    # Llama and checkpoints
+    "Llama",
+    "LlamaConfig",
+    "RopeScaling",
+    "from_pretrained",
+    "save_pretrained",
+    "ByteTokenizer",
+    "load_tokenizer",
+    # Sampling (imported on first use, see above)
+    "generate",
+    "generate_ids",
+    "sample_text",
+    # Submodules
+    "quant",
+    "optim",
+    "fp8_ops",
+    "memory",
+    "llama",
+    "checkpoint_io",
+    "tokenizer",
+]
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"coat_jax.{name}")
-    else:
-        raise AttributeError(f"module 'coat_jax' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+    if name in _FROM_GENERATE:
+        value = getattr(importlib.import_module("coat_jax.generate"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'coat_jax' has no attribute {name!r}")
 
 
 def __dir__():
-    return __all__
+    return sorted(set(globals()) | set(__all__))

@@ -307,9 +307,15 @@ def from_pretrained(
     extra tensor, and for a checkpoint that is not a Llama. `precision`, `dtype`, `param_dtype`,
     `fp8_config`, `scan_layers`, `remat` and `fp8_attention` are passed to `Llama`.
 
-    Example:
-      >>> model = from_pretrained("path/to/Llama-3.2-1B", precision="coat")
-      >>> logits = model(token_ids)
+    Example (an HF folder written here; a downloaded one, e.g. Llama-3.2-1B, loads the same way):
+      >>> import tempfile
+      >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+      ...                   num_hidden_layers=2, num_attention_heads=4)
+      >>> folder = os.path.join(tempfile.mkdtemp(), "tiny-llama")
+      >>> save_pretrained(Llama(cfg, rngs=nnx.Rngs(0)), folder)
+      >>> model = from_pretrained(folder, precision="coat")
+      >>> model.config == cfg
+      True
     """
     path = os.fspath(path)
     check_precision(precision)

@@ -1,7 +1,8 @@
 """COAT's FP8 precision flow for a Llama layer: ops that keep FP8 activations for backward.
 
 Every op here is a ``jax.custom_vjp`` whose forward saves FP8 codes plus float32 scales instead of
-the BF16 tensor XLA's own autodiff would keep (COAT, Xi et al. 2025, section 5; SPEC section 3):
+the BF16 tensor XLA's own autodiff would keep (COAT, Xi et al. 2025, section 5; docs/design.md,
+'The precision flow'):
 
 ==================  ==========================================  ================================
 op                  saved for backward                          format
@@ -68,8 +69,8 @@ GEMM_DEQUANT = ("compute", "float32")
 # ``jax.ad_checkpoint.checkpoint_name`` of every activation an op keeps for backward, in every
 # precision: the FP8 codes and scales of the COAT ops (plus RMSNorm's 1/rms) and the inputs the
 # plain ops' autodiff needs. A remat policy that saves this name keeps exactly the precision
-# flow's residuals (SPEC section 3) and recomputes everything else, weight casts included
-# (``coat_jax.llama.REMAT_POLICIES``).
+# flow's residuals (docs/design.md, 'The precision flow') and recomputes everything else, weight
+# casts included (``coat_jax.llama.REMAT_POLICIES``).
 ACTIVATION = "activation"
 # ``checkpoint_name`` of the FP8 weight codes and per-tensor scales ``fp8_linear`` keeps for
 # backward with ``FP8Config(weight_residual="fp8")`` (1 byte per weight, alive from forward to
@@ -95,8 +96,8 @@ class FP8Config:
     """Static settings of the FP8 ops (hashable: passed as a non-differentiable argument).
 
     Attributes:
-      act_format: FP8 format of forward activations and weights (SPEC: E4M3).
-      grad_format: FP8 format of output gradients entering backward GEMMs (SPEC: E5M2).
+      act_format: FP8 format of forward activations and weights (COAT: E4M3).
+      grad_format: FP8 format of output gradients entering backward GEMMs (COAT: E5M2).
       group_size: G of the 1xG groups of the non-linear ops and of group scaling (COAT: 16).
       implementation: "auto" (Pallas kernels where they apply: on a GPU, on one device or with
         ``mesh`` given; XLA elsewhere), "xla" or "pallas", for the quantizers and the fused

@@ -3,9 +3,9 @@
 ``fp8_state(inner)`` is an ``optax.GradientTransformation`` that runs ``inner`` unchanged but
 keeps the parameter-shaped floating leaves of its state in FP8 between steps: each step
 dequantizes them to float32, calls ``inner.update`` and re-quantizes the new state, each leaf on
-its own, with coat_jax.quant's per-group codecs (Dynamic Range Expansion or plain absmax, SPEC
-section 2). ``fp8_state(optax.adamw(...))`` is therefore the same algorithm as
-:func:`coat_jax.coat_adamw` (its ``implementation="xla"`` path), and the same storage serves
+its own, with coat_jax.quant's per-group codecs (Dynamic Range Expansion or plain absmax;
+docs/design.md, 'Groups of 128'). ``fp8_state(optax.adamw(...))`` is therefore the same algorithm
+as :func:`coat_jax.coat_adamw` (its ``implementation="xla"`` path), and the same storage serves
 ``optax.lion``, ``optax.sgd(momentum=...)``, ``optax.adafactor``, ``optax.contrib.muon`` and the
 rest.
 
@@ -198,7 +198,8 @@ def fp8_state(
         updates, s_new = inner.update(grads, s, params)
         codes, statistics = quantize(s_new)               # per group of ``group_size`` values
 
-    with Dynamic Range Expansion (COAT) or per-group absmax scaling (SPEC section 2).
+    with Dynamic Range Expansion (COAT) or per-group absmax scaling (docs/design.md, 'Dynamic
+    Range Expansion').
     ``fp8_state(optax.adamw(lr, ...))`` is COAT AdamW: with the defaults it stores and updates
     exactly what :func:`coat_jax.coat_adamw` does.
 

@@ -298,10 +298,15 @@ def generate(
     are those of `generate_ids`; `tokenizer` is a transformers tokenizer (its own special-token
     rules apply, e.g. a BOS), a `coat_jax.ByteTokenizer` or the trainer's tokenizer.
 
-    Example:
-      >>> model = coat_jax.from_pretrained("SmolLM2-135M.gguf", dtype=jnp.float32)
-      >>> tok = coat_jax.load_tokenizer("SmolLM2-135M.gguf")
-      >>> coat_jax.generate(model, tok, "The capital of France is", 16)
+    Example (a random byte-level model, so the text is noise; with a trained one, e.g.
+    ``coat_jax.from_pretrained("SmolLM2-135M.gguf")`` and ``coat_jax.load_tokenizer`` of the same
+    file, it is the model's continuation):
+      >>> cfg = LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64,
+      ...                   num_hidden_layers=1, num_attention_heads=4)
+      >>> model = Llama(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+      >>> texts = generate(model, ByteTokenizer(), ["The capital of France is", "It is"], 8)
+      >>> [type(t).__name__ for t in texts]
+      ['str', 'str']
     """
     encode, decode, eos = _codec(tokenizer)
     texts = [prompt] if isinstance(prompt, str) else list(prompt)

@@ -2,8 +2,8 @@
 
 `GGUFSource` reads the model config from the GGUF metadata and serves each tensor under its
 Hugging Face name, dequantized to float32 by the `gguf` package and, for q_proj/k_proj, with
-llama.cpp's RoPE row permutation undone (SPEC section 5), so `checkpoint_io` loads it with the
-same name map as a Hugging Face folder.
+llama.cpp's RoPE row permutation undone (docs/design.md, 'Checkpoints'), so `checkpoint_io`
+loads it with the same name map as a Hugging Face folder.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One model code path serves all three modes: every linear, RMSNorm, SiLU, product and residual add
 goes through the `OpSet` that `coat_jax.fp8_ops.ops_for(precision)` returns, so switching modes
 swaps the op implementations and nothing else. Attention stays in the compute dtype (BF16) in
-every mode, as in COAT (SPEC section 3).
+every mode, as in COAT (docs/design.md, 'The precision flow').
 
 Weights are stored `[in, out]` (HF stores `[out, in]`; `coat_jax.checkpoint_io` transposes) and
 q/k/v and gate/up are separate parameters, so the checkpoint name map stays one-to-one; each group
@@ -46,12 +46,13 @@ ATTENTION = "attention"
 #   full        keep only each layer's input; backward recomputes the whole layer.
 #   attention   keep what attention keeps; recompute the rest (norms, MLP, projections).
 #   activations keep what each op tags as its residual (ACTIVATION) plus attention's: in
-#               precision "coat" exactly SPEC section 3's FP8 residuals; in "bf16" the BF16
-#               inputs of the linears, norms, SiLU and product. Weight casts and float32
-#               intermediates are recomputed in backward. The FP8 weight codes of
-#               ``FP8Config(weight_residual="fp8")`` (tagged WEIGHT) are kept too, since keeping
-#               them is what that option is for (1 byte per weight until backward); with
-#               "master" no value carries that tag and backward re-quantizes each weight.
+#               precision "coat" exactly the FP8 residuals of docs/design.md, 'The precision
+#               flow'; in "bf16" the BF16 inputs of the linears, norms, SiLU and product.
+#               Weight casts and float32 intermediates are recomputed in backward. The FP8
+#               weight codes of ``FP8Config(weight_residual="fp8")`` (tagged WEIGHT) are kept
+#               too, since keeping them is what that option is for (1 byte per weight until
+#               backward); with "master" no value carries that tag and backward re-quantizes
+#               each weight.
 # With weight_residual "fp8", "none" keeps the WEIGHT-tagged codes too (every residual is kept);
 # "full" and "attention" do not: their backward recomputes the codes from the master weight and
 # its GEMMs use those (with "master" backward quantizes each weight a second time).
@@ -334,7 +335,7 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
 
     On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
     XLA's version would keep the [B, N, T, T] probabilities, so there it is rematerialized
-    (`jax.checkpoint` keeps the inputs only), as SPEC section 3 asks. Whatever the
+    (`jax.checkpoint` keeps the inputs only; docs/design.md, 'The precision flow'). Whatever the
     implementation keeps is tagged `ATTENTION` for the remat policies: the forward is
     `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
     """
@@ -520,7 +521,8 @@ class Llama(nnx.Module):
     Args:
       config: the architecture.
       precision: "bf16" (plain ops, XLA autodiff), "fp8" (FP8 linear layers only, like
-        TransformerEngine) or "coat" (COAT's full FP8 precision flow, SPEC section 3).
+        TransformerEngine) or "coat" (COAT's full FP8 precision flow, docs/design.md, 'The
+        precision flow').
       dtype: compute dtype of activations and attention (bfloat16; float32 for exactness tests).
       param_dtype: dtype of the master weights.
       rngs: initialization randomness (normal, std 0.02, as HF's `initializer_range`).

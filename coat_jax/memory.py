@@ -16,7 +16,7 @@ backend.
 
 Attention: XLA's CPU attention keeps the ``batch x heads x seq x seq`` probabilities, which
 cuDNN's flash attention does not; wrap attention in ``jax.checkpoint`` when measuring on CPU so
-the count matches what a GPU keeps (SPEC section 3).
+the count matches what a GPU keeps (docs/design.md, 'The precision flow').
 """
 
 from __future__ import annotations

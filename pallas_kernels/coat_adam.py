@@ -2,10 +2,10 @@
 
 ``coat_adam_step`` is the entry point ``coat_jax.scale_by_coat_adam`` calls per parameter. It
 dispatches on ``implementation`` through :func:`pallas_kernels._dispatch.dispatch`: ``"xla"`` runs
-:func:`coat_adam_step_reference` (plain jnp, the CPU path and the numerics contract, SPEC section
-2 line by line), ``"pallas"`` the fused kernel :func:`coat_adam_step_pallas`, ``"auto"`` the
-kernel where it applies (a GPU, a power-of-two group size, one device or a known mesh) and the
-reference elsewhere.
+:func:`coat_adam_step_reference` (plain jnp, the CPU path and the numerics contract of
+docs/design.md, 'The optimizer step', line by line), ``"pallas"`` the fused kernel
+:func:`coat_adam_step_pallas`, ``"auto"`` the kernel where it applies (a GPU, a power-of-two group
+size, one device or a known mesh) and the reference elsewhere.
 
 Sharded parameters: with ``mesh`` and the parameter's ``partition`` (a ``PartitionSpec``) the
 kernel runs on each shard through ``shard_map``, with no gather of the parameter, its gradient or
@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import Mesh, PartitionSpec
 
-from coat_jax import quant
+from pallas_kernels import quant
 from pallas_kernels._dispatch import dispatch, require_gpu
 from pallas_kernels.sharding import check_spec, group_aligned_spec, shard_map
 
@@ -97,7 +97,10 @@ def dequantize_moment(moment: Moment, group_size: int) -> jax.Array:
 
 
 def adam_moments_and_update(g, m, v, *, count, b1, b2, eps):
-    """SPEC section 2 in float32: new m, v and the Adam direction (no weight decay, no lr)."""
+    """Adam's moments and direction in float32 (no weight decay, no lr).
+
+    docs/design.md, 'The optimizer step'.
+    """
     g = g.astype(jnp.float32)
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g

@@ -2,7 +2,7 @@
 
 Each op computes its forward output from the exact (BF16) input in float32 and, in the same pass,
 writes the FP8 E4M3 codes and float32 1xG scales of the input(s) that its backward needs; the
-backward reads those codes instead of a BF16 copy (SPEC section 3):
+backward reads those codes instead of a BF16 copy (docs/design.md, 'The precision flow'):
 
 * RMSNorm: ``y = w * (x * rsqrt(mean(x^2) + eps))`` (Hugging Face Llama's rounding); saves
   FP8 ``x`` and the float32 per-row ``rsqrt`` (one number per row, 1/D of the activation).
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from coat_jax import quant
+from pallas_kernels import quant
 from pallas_kernels._dispatch import dispatch, require_gpu
 from pallas_kernels.fp8_quant import (
     DEFAULT_TILES,

@@ -1,10 +1,10 @@
 """FP8 quantizers of the activation precision flow: per-group 1xG and per-tensor with group scaling.
 
-Two quantizers feed COAT's FP8 activations (SPEC section 3):
+Two quantizers feed COAT's FP8 activations (docs/design.md, 'The precision flow'):
 
 * :func:`quantize_per_group` -- E4M3 codes plus one float32 scale per 1xG group along the last
   axis (G = 16 for non-linear ops): ``s = (max|x| + 1e-20) / fmax``, ``q = fp8(x / s)``. It is
-  ``coat_jax.quant.quantize_absmax`` with ``group_size=G``, fused into one kernel.
+  ``pallas_kernels.quant.quantize_absmax`` with ``group_size=G``, fused into one kernel.
 * :func:`quantize_per_tensor` -- codes plus one float32 scalar scale, the input format of an FP8
   GEMM. The scale is found just in time by *group scaling*: a max over each 1xG group, then a
   max over that G-times smaller tensor, with no amax history.
@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
-from coat_jax import quant
+from pallas_kernels import quant
 from pallas_kernels._dispatch import dispatch, require_gpu
 from pallas_kernels.sharding import KernelMesh, check_spec, over_batch, shard_map, spec_axes
 

@@ -1,4 +1,4 @@
-"""Pallas kernels on sharded operands: each device runs the kernel on its own shard (issue 16).
+"""Pallas kernels on sharded operands: each device runs the kernel on its own shard.
 
 A ``pallas_call`` has no SPMD partitioning rule: XLA would gather sharded operands whole onto
 every device. The kernels here all work per element or per group, so given where the operands
@@ -17,7 +17,9 @@ sharding XLA decides later (outside explicit-sharding mode), so
   adapts any other spec to the groups.
 
 The trainer (``coat_jax.training``) passes its ``(data, fsdp)`` mesh to both whenever the
-process has several devices; docs/sharding.md describes the whole layout.
+process has several devices; docs/sharding.md describes the whole layout. The parameters' own
+layout (:func:`param_shardings`) lives here too, so that the optimizer's default specs and the
+trainer's shardings come from one rule and neither imports the other (docs/design.md, 'Layers').
 
 A shape the sharded kernel cannot take (a batch axis the batch devices do not divide) raises
 ``NotImplementedError``, so ``implementation="auto"`` falls back to the XLA reference, which XLA
@@ -120,9 +122,11 @@ class KernelMesh:
       param_axis: mesh axis the weights are split over by the FSDP rule (``fsdp_spec``), or
         ``None`` for replicated weights.
 
-    Example:
-      >>> mesh = jax.make_mesh((1, len(jax.devices())), ("data", "fsdp"))
-      >>> config = coat_jax.FP8Config(mesh=KernelMesh(mesh))
+    Example (the FP8 ops take it as ``coat_jax.FP8Config(mesh=KernelMesh(mesh))``):
+      >>> n = len(jax.devices())
+      >>> kmesh = KernelMesh(jax.make_mesh((1, n), ("data", "fsdp")))
+      >>> kmesh.activation_spec((4 * n, 2048, 4096))
+      P(('data', 'fsdp'),)
     """
 
     mesh: Mesh
@@ -215,6 +219,42 @@ def fsdp_rule(shape: tuple[int, ...], mesh: Mesh, axis: str = "fsdp") -> Partiti
     """:func:`fsdp_spec` over mesh axis ``axis``: the trainer's parameter layout."""
     spec = fsdp_spec(tuple(shape), mesh.shape[axis])
     return PartitionSpec(*[axis if entry == "fsdp" else entry for entry in spec])
+
+
+def _is_stacked_layer(path) -> bool:
+    """A leaf of the scanned layout's ``layers`` (leading axis: the layer index)."""
+    keys = [getattr(k, "key", None) for k in path]
+    return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)
+
+
+def param_spec(path, shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
+    """:func:`fsdp_spec`, except that a stacked layer axis is never split.
+
+    A scan takes one layer per iteration; splitting the layer axis would put whole layers on
+    single devices instead of splitting every layer's weights across the ``fsdp`` axis.
+
+    Example:
+      >>> from jax.tree_util import DictKey
+      >>> param_spec((DictKey("layers"), DictKey("w_up")), (32, 4096, 11008), 8)
+      P(None, 'fsdp', None)
+      >>> param_spec((DictKey("lm_head"),), (4096, 32000), 8)
+      P('fsdp', None)
+    """
+    if _is_stacked_layer(path) and shape:
+        return PartitionSpec(None, *fsdp_spec(shape[1:], fsdp_size))
+    return fsdp_spec(shape, fsdp_size)
+
+
+def param_shardings(abstract_params, mesh: Mesh):
+    """Each parameter's ``NamedSharding`` on ``mesh`` by :func:`param_spec` over ``"fsdp"``.
+
+    The trainer lays its parameters out by this rule (``coat_jax.training.sharding`` re-exports
+    it) and ``coat_adamw(mesh=...)`` takes its default partition specs from it, so both agree.
+    """
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: NamedSharding(mesh, param_spec(path, p.shape, fsdp)), abstract_params
+    )
 
 
 def over_batch(in_kinds: str, out_kinds: str):

@@ -603,3 +603,35 @@ def test_soak_2000_steps_with_checkpoints_and_resumes_equal_the_straight_run(tmp
     assert sorted(losses(out)) == list(range(1, 2001))
     assert tree_bytes(result.params) == tree_bytes(straight.params)
     assert tree_bytes(result.opt_state) == tree_bytes(straight.opt_state)
+
+
+def test_warm_host_memory_allocates_pinned_shards_off_the_loop(tmp_path, monkeypatch, caplog):
+    """The first save's pinned host buffers: made in a background thread, one per local shard;
+    nothing on a backend that is not a GPU (Orbax copies without pinned memory there)."""
+    state = {"w": jnp.ones((4, 8), jnp.float32), "c": jnp.zeros((16,), jnp.float8_e4m3fn)}
+    ck = Checkpointer(tmp_path, keep=1, fingerprint={})
+    try:
+        assert ck.warm_host_memory(state) is None  # the CPU backend
+        made = []
+        real_put = jax.device_put
+
+        def put(x, sharding):
+            made.append((x.shape, x.dtype, sharding.memory_kind))
+            return real_put(x, sharding)
+
+        monkeypatch.setattr(checkpoint_mod.jax, "default_backend", lambda: "gpu")
+        monkeypatch.setattr(checkpoint_mod.jax, "device_put", put)
+        thread = ck.warm_host_memory(state)
+        assert thread is not None
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert "not warmed" not in caplog.text
+        assert sorted(made, key=str) == sorted(
+            [
+                ((4, 8), np.dtype(np.float32), "pinned_host"),
+                ((16,), state["c"].dtype, "pinned_host"),
+            ],
+            key=str,
+        )
+    finally:
+        ck.close()

@@ -90,6 +90,8 @@ DESCRIPTIONS = {
     "(0: stop at the first)",
     "progress_bar": "show a tqdm progress bar (false: plain log lines)",
     "tensorboard": "write metrics.jsonl's records to <output_dir>/tensorboard too (needs tensorboardX)",
+    "fused_apply": "coat_adamw's kernel applies the update in its own pass (false: optax's "
+    "update, then apply_updates)",
     "telemetry": "log the FP8 optimizer state's error, saturation, clip counts (docs/telemetry.md)",
     "sample_prompt": "prompt of the short sample printed at the end of a run (null: no sample)",
     "sample_tokens": "tokens the end-of-run sample generates",

@@ -83,6 +83,10 @@ class TrainConfig:
       run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh; plain jnp elsewhere),
       ``xla`` (plain jnp), ``pallas`` (the kernels, an error where one cannot run) or
       ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
+    - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
+      writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
+      ``update`` then ``apply_updates``. Same state, same results to float32 rounding; ignored
+      with ``telemetry``, ``master_dtype: bfloat16`` and ``skip_nonfinite_steps``.
     - ``loss_chunk_size``: compute the cross-entropy in blocks of this many positions
       (``coat_jax.losses.cross_entropy_from_hidden``) instead of materialising the
       ``[batch, seq, vocab]`` float32 logits; ``null``: the plain loss.
@@ -122,6 +126,7 @@ class TrainConfig:
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
+    fused_apply: bool = True
     # Data.
     data_path: str = "data/public_domain_en.tar.xz"
     tokenizer: str = "byte"

@@ -3,9 +3,9 @@
 ``train(cfg)`` runs a whole job from a :class:`~coat_jax.training.config.TrainConfig`. The step
 is a pure function ``(params, opt_state, tokens) -> (params, opt_state, metrics)`` compiled once
 with parameters and optimizer state donated, so XLA updates them in place instead of holding two
-copies (SPEC section 4). Gradient accumulation is an explicit ``lax.scan`` over microbatches
-inside that one step (not ``optax.MultiSteps``): the optimizer sees one averaged gradient per
-step, its state holds no accumulator, and the step counter counts optimizer steps.
+copies (docs/design.md, 'One training step'). Gradient accumulation is an explicit ``lax.scan``
+over microbatches inside that one step (not ``optax.MultiSteps``): the optimizer sees one averaged
+gradient per step, its state holds no accumulator, and the step counter counts optimizer steps.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from coat_jax.generate import sample_text
 from coat_jax.llama import Llama, LlamaConfig, relayout
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.master import apply_updates_stochastic, float32_optimizer
+from coat_jax.optim import apply_gradients
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
@@ -262,13 +263,17 @@ def make_train_step(
     *,
     seed: int = 0,
     telemetry: StateTelemetry | None = None,
+    fused_apply: bool = True,
 ):
     """The pure train step over ``tokens_ABT1``: A microbatches of B windows of T + 1 tokens.
 
     With bfloat16 parameters (``master_dtype: bfloat16``) ``tx`` must come from
     :func:`with_rounding_count`: gradients are accumulated and clipped in float32 and each
     update is applied with stochastic rounding. With ``telemetry`` the metrics also hold the
-    optimizer state's quantization telemetry (:mod:`coat_jax.training.telemetry`).
+    optimizer state's quantization telemetry (:mod:`coat_jax.training.telemetry`). With
+    ``fused_apply`` a ``tx`` that can apply itself (``coat_adamw``: its kernel writes the new
+    parameter) does so through ``coat_jax.optim.apply_gradients``; telemetry and bfloat16
+    parameters take ``tx.update`` and apply the updates apart.
     """
     grad_fn = jax.value_and_grad(lambda p, t: next_token_loss(model_def, p, t))
     low_precision = any(
@@ -302,6 +307,9 @@ def make_train_step(
             key = jax.random.fold_in(jax.random.key(seed), opt_state.count)
             updates, opt_state, observed = update(grads, opt_state, params)
             params = apply_updates_stochastic(params, updates, key)
+        elif fused_apply and telemetry is None:
+            params, opt_state = apply_gradients(tx, grads, opt_state, params)
+            observed = {}
         else:
             updates, opt_state, observed = update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
@@ -454,7 +462,13 @@ def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainP
     batch_sh = sharding.batch_sharding(mesh, batch_axis=1, rank=3)
     eval_batch_sh = sharding.batch_sharding(mesh, batch_axis=0, rank=2)
     step_fn = jax.jit(
-        make_train_step(model_def, tx, seed=cfg.seed, telemetry=state_telemetry(cfg, schedule)),
+        make_train_step(
+            model_def,
+            tx,
+            seed=cfg.seed,
+            telemetry=state_telemetry(cfg, schedule),
+            fused_apply=cfg.fused_apply,
+        ),
         in_shardings=(param_sh, opt_sh, batch_sh),
         out_shardings=(param_sh, opt_sh, None),
         donate_argnums=(0, 1),
@@ -1023,6 +1037,8 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
         checkpointer.check_room(
             {"params": program.abstract_params, "opt_state": program.abstract_opt_state}
         )
+        # The first save's pinned host buffers, allocated while the first steps run (GPU only).
+        checkpointer.warm_host_memory({"params": params, "opt_state": opt_state})
     if cfg.eval_at_start and step == 0:
         # The starting weights' validation loss (a fine-tune's "before"), logged as step 0.
         val_loss = validate()

@@ -34,9 +34,13 @@ class MetricsLog:
     On resume, events after the checkpoint's step are purged there too.
 
     Example:
-      >>> log = MetricsLog(Path("run/metrics.jsonl"), resume_step=None, tensorboard_dir="run/tb")
+      >>> import tempfile
+      >>> run = Path(tempfile.mkdtemp())
+      >>> log = MetricsLog(run / "metrics.jsonl", resume_step=None, tensorboard_dir=run / "tb")
       >>> log.write({"step": 1, "loss": 5.5})
       >>> log.close()
+      >>> log.read()
+      [{'step': 1, 'loss': 5.5}]
     """
 
     def __init__(

@@ -25,8 +25,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# The FSDP rule lives with the kernels that run on its shards; the trainer uses it from here.
-from pallas_kernels.sharding import GROUP_SIZE, fsdp_spec  # noqa: F401 - public here too
+# The parameter layout (the FSDP rule and the stacked-layer exception) lives with the kernels that
+# run on its shards, where the optimizer takes its default specs from too; the trainer, its tests
+# and coat_jax.training.telemetry use it from here.
+from pallas_kernels.sharding import (  # noqa: F401 - public here too
+    GROUP_SIZE,
+    _is_stacked_layer,
+    fsdp_spec,
+    param_shardings,
+    param_spec,
+)
 
 AXES = ("data", "fsdp")
 BATCH_AXES = AXES
@@ -49,30 +57,6 @@ def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
             f"mesh data={data} x fsdp={fsdp} needs {data * fsdp} devices, only {n} available"
         )
     return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), AXES)
-
-
-def _is_stacked_layer(path) -> bool:
-    """A leaf of the scanned layout's ``layers`` (leading axis: the layer index)."""
-    keys = [getattr(k, "key", None) for k in path]
-    return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)
-
-
-def param_spec(path, shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
-    """:func:`fsdp_spec`, except that a stacked layer axis is never split.
-
-    A scan takes one layer per iteration; splitting the layer axis would put whole layers on
-    single devices instead of splitting every layer's weights across the ``fsdp`` axis.
-    """
-    if _is_stacked_layer(path) and shape:
-        return PartitionSpec(None, *fsdp_spec(shape[1:], fsdp_size))
-    return fsdp_spec(shape, fsdp_size)
-
-
-def param_shardings(abstract_params, mesh: Mesh):
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree_util.tree_map_with_path(
-        lambda path, p: NamedSharding(mesh, param_spec(path, p.shape, fsdp)), abstract_params
-    )
 
 
 def _follow(spec: PartitionSpec, param_shape, leaf_shape, mesh: Mesh) -> PartitionSpec:

@@ -572,8 +572,8 @@ def tensor_names(params) -> list[str]:
     """The names ``state/*_worst_tensor`` indexes: each parameter's key path, in leaf order.
 
     Example:
-      >>> from coat_jax.training.loop import model_def_for
-      >>> names = tensor_names(model_def_for(cfg.model, cfg).abstract_params)
+      >>> tensor_names({"embed": jnp.zeros(4), "layers": [{"w": jnp.zeros(2)}]})
+      ["['embed']", "['layers'][0]['w']"]
     """
     return [
         jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]

@@ -1,0 +1,189 @@
+"""coat_adamw's fused apply: ``apply_gradients`` against ``update`` + ``optax.apply_updates``.
+
+The fused way (the kernel reads each parameter and writes the new one) must give the optax way's
+parameters to float32 rounding and the same state, through clipping chains, masks, schedules and
+the trainer; a transformation without a fused apply must take the optax way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import coat_jax
+from coat_jax import optim
+from coat_jax.training.loop import make_schedule
+from coat_jax.training.optimizers import make_optimizer, skip_nonfinite
+
+PARAMS_SHAPES = {"w": (8, 256), "v": (3, 200), "b": (3,), "s": ()}
+
+
+def _params(seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(PARAMS_SHAPES))
+    return {
+        k: jax.random.normal(key, shape, jnp.float32)
+        for key, (k, shape) in zip(keys, PARAMS_SHAPES.items(), strict=True)
+    }
+
+
+def _grads(t, dtype=jnp.float32):
+    return jax.tree.map(
+        lambda p: (0.1 * jax.random.normal(jax.random.key(100 + t), p.shape)).astype(dtype),
+        _params(),
+    )
+
+
+def _run(tx, fused, steps=3, dtype=jnp.float32):
+    params, state = _params(), tx.init(_params())
+    if fused:
+        step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p))
+    else:
+
+        @jax.jit
+        def step(p, s, g):
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+    for t in range(steps):
+        params, state = step(params, state, _grads(t, dtype))
+    return params, state
+
+
+def _pallas_calls(fn, *args) -> list[str]:
+    """Names of the pallas_calls in ``fn``'s jaxpr."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [
+        str(e.params.get("name_and_src_info", e.params.get("name", "")))
+        for e in _equations(jaxpr.jaxpr)
+        if e.primitive.name == "pallas_call"
+    ]
+
+
+def _equations(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.core.subjaxprs(e) if hasattr(jax.core, "subjaxprs") else ():
+            yield from _equations(sub)
+        for v in e.params.values():
+            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield from _equations(v.jaxpr)
+
+
+MASKS = {
+    "none": None,
+    "tree": {"w": True, "v": False, "b": False, "s": True},
+    "fn": lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+}
+
+
+CASES = [(m, sched, "xla") for m in sorted(MASKS) for sched in (False, True)] + [
+    ("tree", True, "interpret"),
+    ("none", False, "interpret"),
+]
+
+
+@pytest.mark.parametrize("mask,schedule,implementation", CASES)
+def test_fused_apply_equals_update_then_apply(mask, schedule, implementation):
+    lr = optax.cosine_decay_schedule(3e-2, 10) if schedule else 3e-2
+    tx = optim.chain(
+        optax.clip_by_global_norm(1.0),
+        coat_jax.coat_adamw(
+            lr,
+            weight_decay=0.1,
+            mask=MASKS[mask],
+            implementation="auto" if implementation == "interpret" else "xla",
+            interpret=implementation == "interpret",
+        ),
+    )
+    p_fused, s_fused = _run(tx, fused=True)
+    p_optax, s_optax = _run(tx, fused=False)
+    assert jax.tree.structure(s_fused) == jax.tree.structure(s_optax)
+    for a, b in zip(jax.tree.leaves(s_fused), jax.tree.leaves(s_optax), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    moved = 0.0
+    for path, a in jax.tree_util.tree_flatten_with_path(p_fused)[0]:
+        b = p_optax[path[0].key]
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7, err_msg=str(path))
+        moved = max(moved, float(jnp.max(jnp.abs(a - _params()[path[0].key]))))
+    assert moved > 1e-3, "the parameters did not move: the comparison would prove nothing"
+
+
+def test_fused_apply_runs_the_apply_kernel():
+    """On the kernel path the step holds the apply kernel and no separate update kernel."""
+    tx = optim.chain(optax.clip_by_global_norm(1.0), coat_jax.coat_adamw(1e-3, interpret=True))
+    params = {"w": jnp.ones((8, 256))}
+    state = tx.init(params)
+    fused = _pallas_calls(lambda p, s, g: optim.apply_gradients(tx, g, s, p), params, state, params)
+    split = _pallas_calls(lambda p, s, g: tx.update(g, s, p), params, state, params)
+    assert fused and all("coat_adamw_apply" in n for n in fused), fused
+    assert split and all("coat_adam_step" in n for n in split), split
+
+
+def test_weight_decay_zero_and_bf16_grads_agree_to_rounding():
+    tx = coat_jax.coat_adamw(1e-2, weight_decay=0.0, implementation="xla")
+    p_fused, _ = _run(tx, fused=True, dtype=jnp.bfloat16)
+    p_optax, _ = _run(tx, fused=False, dtype=jnp.bfloat16)
+    # optax rounds a zero-decay update to the gradient's dtype (bf16) before scaling it; the
+    # fused way keeps it in float32: the parameters differ by at most lr x bf16's rounding.
+    for a, b in zip(jax.tree.leaves(p_fused), jax.tree.leaves(p_optax), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=3 * 1e-2 * 2**-8)
+
+
+def test_transformations_without_fused_apply_take_the_optax_way():
+    params, grads = _params(), _grads(0)
+    plain = optax.adamw(1e-2)
+    state = plain.init(params)
+    p1, s1 = optim.apply_gradients(plain, grads, state, params)
+    updates, s2 = plain.update(grads, state, params)
+    p2 = optax.apply_updates(params, updates)
+    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # optax.chain and skip_nonfinite do not carry the fused apply; coat_jax.optim.chain does.
+    coat = coat_jax.coat_adamw(1e-3)
+    assert getattr(coat.update, "apply", None) is not None
+    assert getattr(optim.chain(optax.clip(1.0), coat).update, "apply", None) is not None
+    assert getattr(optax.chain(optax.clip(1.0), coat).update, "apply", None) is None
+    assert getattr(skip_nonfinite(coat).update, "apply", None) is None
+    assert getattr(optim.chain(coat, optax.scale(1.0)).update, "apply", None) is None
+
+
+def test_trainer_fused_apply_equals_the_optax_way(tmp_path):
+    """train.py's step with ``fused_apply`` true and false: the same losses and parameters."""
+    import json
+    from pathlib import Path
+
+    from coat_jax.training import load_config, train
+    from tests.tiny_runs import tiny_run
+
+    repo = Path(__file__).resolve().parents[1]
+    runs = {}
+    for fused in ("true", "false"):
+        out = tmp_path / fused
+        cfg = load_config(
+            repo / "configs" / "default.yaml",
+            [
+                *tiny_run(layers=1),
+                "steps=6",
+                "learning_rate=3e-3",
+                f"fused_apply={fused}",
+                f"output_dir={out}",
+                f"cache_dir={tmp_path}/tokens",
+            ],
+        )
+        if fused == "true":
+            # The trainer's optimizer (clipping, then coat_adamw) keeps the fused apply.
+            tx = make_optimizer(cfg, make_schedule(cfg))
+            assert getattr(tx.update, "apply", None) is not None
+        result = train(cfg)
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        losses = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+        assert len(losses) == 6
+        runs[fused] = (losses, result.params)
+    (losses_f, params_f), (losses_o, params_o) = runs["true"], runs["false"]
+    np.testing.assert_allclose(losses_f, losses_o, rtol=1e-6)
+    assert losses_f[-1] < losses_f[0], "the run did not train: the comparison would prove nothing"
+    for a, b in zip(jax.tree.leaves(params_f), jax.tree.leaves(params_o), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
