@@ -40,6 +40,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import coat_jax  # noqa: E402
+from coat_jax import quant  # noqa: E402
 from coat_jax.training import sharding  # noqa: E402
 from pallas_kernels import coat_adam as ca  # noqa: E402
 
@@ -130,7 +131,9 @@ def fused_coat_adamw(config: ca.KernelConfig | None):
         new_p, new_fields = [], [[] for _ in fields]
         for i, (p, g) in enumerate(zip(leaves, treedef.flatten_up_to(grads), strict=True)):
             parts = [unmask(f[i]) for f in per_field]
-            mu, nu = ca.Moment(*parts[:4]), ca.Moment(*parts[4:])
+            layout = dict(granularity="group", group_size=spec.group_size)
+            mu = quant.QuantizedTensor(*parts[:4], fmt=spec.mu_format, **layout)
+            nu = quant.QuantizedTensor(*parts[4:], fmt=spec.nu_format, **layout)
             p, mu, nu = ca.coat_adamw_apply(
                 p,
                 g,
@@ -149,7 +152,8 @@ def fused_coat_adamw(config: ca.KernelConfig | None):
                 config=config,
             )
             new_p.append(p)
-            for j, x in enumerate((*mu, *nu)):
+            stored = [(m.codes, m.scale, m.expand, m.center) for m in (mu, nu)]
+            for j, x in enumerate((*stored[0], *stored[1])):
                 new_fields[j].append(mask(x))
         new_cs = type(cs)(count, *(treedef.unflatten(f) for f in new_fields))
         return treedef.unflatten(new_p), (new_cs, *state[1:])

@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         return quant.cast_to_fp8(x.astype(jnp.float32) / s, "e4m3"), s
 
     def pallas_quant(x):
-        return fp8_quant.quantize_per_tensor(x, fmt="e4m3", implementation="pallas")
+        q = fp8_quant.quantize_per_tensor(x, fmt="e4m3", implementation="pallas")
+        return q.codes, q.scale
 
     def v_params(a8, sa, b8, sb):
         return dot32(a8, sa, b8, sb)

@@ -114,8 +114,8 @@ def train_moments(steps: int, seed: int = 0):
 def roundtrip(x, fmt, expansion):
     x = jnp.asarray(x, jnp.float32)
     if expansion:
-        return np.asarray(quant.dequantize_dre(*quant.quantize_dre(x, fmt=fmt)))
-    return np.asarray(quant.dequantize_absmax(*quant.quantize_absmax(x, fmt=fmt)))
+        return np.asarray(quant.quantize_dre(x, fmt=fmt).dequantize())
+    return np.asarray(quant.quantize_absmax(x, fmt=fmt).dequantize())
 
 
 def direction_mse(mus, nus, mu_fmt, mu_exp, nu_fmt, nu_exp):

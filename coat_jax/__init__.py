@@ -4,18 +4,13 @@ The public names are imported here, from the modules that define them. The impor
 way (docs/design.md, 'Layers'): ``pallas_kernels`` (codecs and kernels) imports nothing of
 ``coat_jax``, so importing the library imports the kernels and never the other way round.
 
-One module is the exception: ``coat_jax.generate`` is also a command line (``python -m
-coat_jax.generate``), and ``python -m`` warns on stderr when the package it runs from has already
-imported the module it is about to run. Its three names are therefore imported on first use
-(PEP 562); they are listed in ``__all__`` and, for static tools, under ``TYPE_CHECKING``.
+``generate`` is the module ``coat_jax.generate``, callable as its ``generate`` function, so both
+``coat_jax.generate(model, tokenizer, prompt)`` and ``coat_jax.generate.generate_ids`` work.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
-
-from coat_jax import checkpoint_io, fp8_ops, llama, memory, optim, quant, tokenizer
+from coat_jax import checkpoint_io, fp8_ops, generate, llama, memory, optim, quant, tokenizer
 from coat_jax.checkpoint_io import from_pretrained, save_pretrained
 from coat_jax.fp8_ops import (
     FP8Config,
@@ -39,6 +34,7 @@ from coat_jax.fp8_wrapper import (
     full_precision_paths,
     quantized_paths,
 )
+from coat_jax.generate import generate_ids, sample_text
 from coat_jax.llama import Llama, LlamaConfig, RopeScaling
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.master import apply_updates_stochastic, float32_optimizer, stochastic_round
@@ -51,16 +47,14 @@ from coat_jax.optim import (
     find_coat_states,
     scale_by_coat_adam,
 )
+from coat_jax.quant import QuantizedTensor
 from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    from coat_jax.generate import generate, generate_ids, sample_text
 
 __version__ = "0.1.0"
 
-_FROM_GENERATE = ("generate", "generate_ids", "sample_text")
-
 __all__ = [
+    # FP8 values: codes, scales and their layout (codecs, kernels, residuals, moments)
+    "QuantizedTensor",
     # FP8 optimizer states
     "ScaleByCoatAdamState",
     "apply_gradients",
@@ -104,7 +98,7 @@ __all__ = [
     "save_pretrained",
     "ByteTokenizer",
     "load_tokenizer",
-    # Sampling (imported on first use, see above)
+    # Sampling (``generate`` is the callable module, see above)
     "generate",
     "generate_ids",
     "sample_text",
@@ -117,14 +111,6 @@ __all__ = [
     "checkpoint_io",
     "tokenizer",
 ]
-
-
-def __getattr__(name: str):
-    if name in _FROM_GENERATE:
-        value = getattr(importlib.import_module("coat_jax.generate"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'coat_jax' has no attribute {name!r}")
 
 
 def __dir__():

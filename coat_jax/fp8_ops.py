@@ -1,8 +1,9 @@
 """COAT's FP8 precision flow for a Llama layer: ops that keep FP8 activations for backward.
 
-Every op here is a ``jax.custom_vjp`` whose forward saves FP8 codes plus float32 scales instead of
-the BF16 tensor XLA's own autodiff would keep (COAT, Xi et al. 2025, section 5; docs/design.md,
-'The precision flow'):
+Every op here is a ``jax.custom_vjp`` whose forward saves FP8 codes plus float32 scales (one
+:class:`~pallas_kernels.quant.QuantizedTensor` per saved tensor, tagged for remat by
+:func:`keep`) instead of the BF16 tensor XLA's own autodiff would keep (COAT, Xi et al. 2025,
+section 5; docs/design.md, 'The precision flow'):
 
 ==================  ==========================================  ================================
 op                  saved for backward                          format
@@ -56,7 +57,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from coat_jax import quant
 from pallas_kernels import fp8_act, fp8_quant
@@ -82,13 +82,14 @@ WEIGHT_RESIDUALS = ("master", "fp8")
 
 
 def keep(tree):
-    """Tags every array of ``tree`` as a kept activation (:data:`ACTIVATION`) for remat."""
-    return jax.tree.map(lambda x: checkpoint_name(x, ACTIVATION), tree)
+    """Tags every array of ``tree`` (quantized tensors' codes and scales included) as a kept
+    activation (:data:`ACTIVATION`) for remat."""
+    return quant.named(tree, ACTIVATION)
 
 
 def keep_weight(tree):
     """Tags every array of ``tree`` as kept FP8 weight codes (:data:`WEIGHT`) for remat."""
-    return jax.tree.map(lambda x: checkpoint_name(x, WEIGHT), tree)
+    return quant.named(tree, WEIGHT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +153,17 @@ class FP8Config:
             )
 
     def kernel_kwargs(self) -> dict:
+        """The kernels' dispatch settings (a backward reads its group size off what it gets)."""
         return dict(
-            group_size=self.group_size,
             implementation=self.implementation,
             interpret=self.interpret,
             tiles=self.tiles,
             mesh=self.mesh,
         )
+
+    def quantize_kwargs(self) -> dict:
+        """:meth:`kernel_kwargs` plus how forward quantizes activations (format, 1xG groups)."""
+        return dict(fmt=self.act_format, group_size=self.group_size, **self.kernel_kwargs())
 
 
 DEFAULT_CONFIG = FP8Config()
@@ -197,7 +202,7 @@ def materialize(tree):
     return jax.lax.optimization_barrier(tree)
 
 
-def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False):
+def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False) -> quant.QuantizedTensor:
     """Per-tensor codes and scale of ``x``, an activation (on a kernel mesh: split along its
     leading axis over the batch axes) or, with ``weight=True``, a weight (split by the FSDP
     rule)."""
@@ -245,8 +250,9 @@ def fp8_compiler_options(backend: str | None = None) -> dict | None:
     return dict(GPU_COMPILER_OPTIONS) if backend in ("gpu", "cuda", "rocm") else None
 
 
-def _fp8_dot(a_codes, a_scale, b_codes, b_scale, contracting, config, compute_dtype, out_dtype):
-    """``(a_codes * a_scale) . (b_codes * b_scale)`` as one FP8 GEMM, float32 accumulation.
+def _fp8_dot(a, b, contracting, config, compute_dtype, out_dtype):
+    """``(a.codes * a.scale) . (b.codes * b.scale)`` of two per-tensor quantized operands as one
+    FP8 GEMM, float32 accumulation.
 
     Spelled ``dot(convert(a_codes), convert(b_codes)) * (a_scale * b_scale)``. On the GPU, XLA's
     Triton GEMM pass runs before its cuBLAS FP8 rewriter and pulls the dot's operand producers
@@ -258,12 +264,12 @@ def _fp8_dot(a_codes, a_scale, b_codes, b_scale, contracting, config, compute_dt
     """
     dtype = jnp.float32 if config.gemm_dequant == "float32" else compute_dtype
     acc = jax.lax.dot_general(
-        a_codes.astype(dtype),
-        b_codes.astype(dtype),
+        a.codes.astype(dtype),
+        b.codes.astype(dtype),
         (contracting, ((), ())),
         preferred_element_type=jnp.float32,
     )
-    return (acc * (a_scale.astype(jnp.float32) * b_scale.astype(jnp.float32))).astype(out_dtype)
+    return (acc * (a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32))).astype(out_dtype)
 
 
 def _as_weights(w) -> tuple:
@@ -317,26 +323,26 @@ def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["codes", "scales"],
+    data_fields=["weights"],
     meta_fields=["dtypes", "container"],
 )
 @dataclasses.dataclass(frozen=True)
 class _WeightCodes:
     """Forward's FP8 weights kept for backward (``weight_residual="fp8"``): per weight its E4M3
-    codes ``[K, N]`` and float32 scale; static: the master dtypes the gradients take and the
-    container of ``w`` (``tuple``, ``list``, or ``None`` for a single weight)."""
+    per-tensor :class:`~pallas_kernels.quant.QuantizedTensor` (codes ``[K, N]``); static: the
+    master dtypes the gradients take and the container of ``w`` (``tuple``, ``list``, or
+    ``None`` for a single weight)."""
 
-    codes: tuple
-    scales: tuple
+    weights: tuple
     dtypes: tuple
     container: type | None
 
 
-def _gathered(w_q, config: FP8Config):
+def _gathered(w_q: quant.QuantizedTensor, config: FP8Config) -> quant.QuantizedTensor:
     """On a kernel mesh: the FSDP all-gather of a weight placed on its FP8 codes (1 byte a
     value), where the per-shard quantizer left them; kept codes stay sharded. Left to itself the
     partitioner gathers the converted GEMM operand instead (float32 on 8 CPU devices)."""
-    return w_q if config.mesh is None else config.mesh.gathered(w_q)
+    return w_q if config.mesh is None else w_q.replace(codes=config.mesh.gathered(w_q.codes))
 
 
 def _fp8_linear_fwd(x, w, config):
@@ -344,30 +350,28 @@ def _fp8_linear_fwd(x, w, config):
     k = x.shape[-1]
     # Quantize the 2-D view so that the codes feed the GEMM with no reshape in between (XLA's
     # FP8 GEMM rewriter only matches convert(codes) * scale directly on the FP8 producer).
-    x_q, x_s = _per_tensor(x.reshape(-1, k), config.act_format, config)
+    x_q = _per_tensor(x.reshape(-1, k), config.act_format, config)
     weights = _as_weights(w)
-    ys, codes, scales = [], [], []
+    ys, w_qs = [], []
     for wi in weights:
-        w_q, w_s = _per_tensor(wi, config.act_format, config, weight=True)
-        y = _fp8_dot(x_q, x_s, _gathered(w_q, config), w_s, ((1,), (0,)), config, x.dtype, x.dtype)
+        w_q = _per_tensor(wi, config.act_format, config, weight=True)
+        y = _fp8_dot(x_q, _gathered(w_q, config), ((1,), (0,)), config, x.dtype, x.dtype)
         ys.append(y.reshape(*x.shape[:-1], wi.shape[1]))
-        codes.append(w_q)
-        scales.append(w_s)
+        w_qs.append(w_q)
     container = type(w) if isinstance(w, (tuple, list)) else None
     out = ys[0] if container is None else tuple(ys)
     if config.weight_residual == "fp8":
-        codes, scales = keep_weight((tuple(codes), tuple(scales)))
         dtypes = tuple(jnp.dtype(wi.dtype) for wi in weights)
-        kept_w = _WeightCodes(codes, scales, dtypes, container)
+        kept_w = _WeightCodes(keep_weight(tuple(w_qs)), dtypes, container)
     else:
         kept_w = w
-    return out, (*keep((x_q, x_s)), kept_w)
+    return out, (keep(x_q), kept_w)
 
 
 def _fp8_linear_bwd(config, res, dy):
-    x_q, x_s, kept_w = res
+    x_q, kept_w = res
     if isinstance(kept_w, _WeightCodes):
-        quantized = zip(kept_w.codes, kept_w.scales, strict=True)
+        quantized = kept_w.weights
         dtypes, container = kept_w.dtypes, kept_w.container
     else:
         # "master": quantize each master weight again, exactly as forward did.
@@ -378,14 +382,14 @@ def _fp8_linear_bwd(config, res, dy):
     dys = _as_weights(dy)
     compute = dys[0].dtype
     dx, dws = None, []
-    for (w_q, w_s), dtype, dyi in zip(quantized, dtypes, dys, strict=True):
-        dy_q, dy_s = _per_tensor(dyi.reshape(-1, w_q.shape[1]), config.grad_format, config)
+    for w_q, dtype, dyi in zip(quantized, dtypes, dys, strict=True):
+        dy_q = _per_tensor(dyi.reshape(-1, w_q.shape[1]), config.grad_format, config)
         # dgrad contracts the codes' last axis (N): [K, N] codes are already in the layout
         # cuBLASLt's FP8 GEMM takes, so no transposed copy is needed for it.
         w_q = _gathered(w_q, config)
-        dx_i = _fp8_dot(dy_q, dy_s, w_q, w_s, ((1,), (1,)), config, compute, jnp.float32)
+        dx_i = _fp8_dot(dy_q, w_q, ((1,), (1,)), config, compute, jnp.float32)
         dx = dx_i if dx is None else dx + dx_i
-        dw = _fp8_dot(x_q, x_s, dy_q, dy_s, ((0,), (0,)), config, compute, jnp.float32)
+        dw = _fp8_dot(x_q, dy_q, ((0,), (0,)), config, compute, jnp.float32)
         dws.append(dw.astype(dtype))
     dx = dx.astype(compute).reshape(*dys[0].shape[:-1], x_q.shape[1])
     return dx, (dws[0] if container is None else container(dws))
@@ -453,16 +457,14 @@ def _fp8_rmsnorm_fwd(x, weight, eps, config):
     _check_float("x", x)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rmsnorm weight must have shape {x.shape[-1:]}, got {weight.shape}")
-    y, codes, scale, rstd = fp8_act.rmsnorm_fwd(
-        x, weight, eps, fmt=config.act_format, **config.kernel_kwargs()
-    )
-    return y, (*keep((*materialize((codes, scale)), rstd)), weight)
+    y, x_q, rstd = fp8_act.rmsnorm_fwd(x, weight, eps, **config.quantize_kwargs())
+    return y, (*keep((materialize(x_q), rstd)), weight)
 
 
 def _fp8_rmsnorm_bwd(eps, config, res, dy):
     del eps
-    codes, scale, rstd, weight = res
-    return fp8_act.rmsnorm_bwd(dy, codes, scale, rstd, weight, **config.kernel_kwargs())
+    x_q, rstd, weight = res
+    return fp8_act.rmsnorm_bwd(dy, x_q, rstd, weight, **config.kernel_kwargs())
 
 
 fp8_rmsnorm.defvjp(_fp8_rmsnorm_fwd, _fp8_rmsnorm_bwd)
@@ -476,12 +478,12 @@ def fp8_silu(x: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> jax.Array:
 
 def _fp8_silu_fwd(x, config):
     _check_float("x", x)
-    y, codes, scale = fp8_act.silu_fwd(x, fmt=config.act_format, **config.kernel_kwargs())
-    return y, keep(materialize((codes, scale)))
+    y, x_q = fp8_act.silu_fwd(x, **config.quantize_kwargs())
+    return y, keep(materialize(x_q))
 
 
 def _fp8_silu_bwd(config, res, dy):
-    return (fp8_act.silu_bwd(dy, *res, **config.kernel_kwargs()),)
+    return (fp8_act.silu_bwd(dy, res, **config.kernel_kwargs()),)
 
 
 fp8_silu.defvjp(_fp8_silu_fwd, _fp8_silu_bwd)
@@ -495,10 +497,8 @@ def fp8_mul(a: jax.Array, b: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> j
 
 def _fp8_mul_fwd(a, b, config):
     _check_pair("fp8_mul", a, b)
-    y, a_codes, a_scale, b_codes, b_scale = fp8_act.mul_fwd(
-        a, b, fmt=config.act_format, **config.kernel_kwargs()
-    )
-    return y, keep(materialize((a_codes, a_scale, b_codes, b_scale)))
+    y, a_q, b_q = fp8_act.mul_fwd(a, b, **config.quantize_kwargs())
+    return y, keep(materialize((a_q, b_q)))
 
 
 def _fp8_mul_bwd(config, res, dy):
@@ -520,8 +520,8 @@ def fp8_swiglu(gate: jax.Array, up: jax.Array, config: FP8Config = DEFAULT_CONFI
 
 def _fp8_swiglu_fwd(gate, up, config):
     _check_pair("fp8_swiglu", gate, up)
-    y, *saved = fp8_act.swiglu_fwd(gate, up, fmt=config.act_format, **config.kernel_kwargs())
-    return y, keep(materialize(tuple(saved)))
+    y, gate_q, up_q = fp8_act.swiglu_fwd(gate, up, **config.quantize_kwargs())
+    return y, keep(materialize((gate_q, up_q)))
 
 
 def _fp8_swiglu_bwd(config, res, dy):
@@ -567,16 +567,12 @@ def _fp8_attention_fwd(q, k, v, is_causal, config):
                 f"{t.shape} {t.dtype} (q is {q.shape} {q.dtype})"
             )
     out = _attend(q, k, v, is_causal)
-    kw = config.kernel_kwargs()
-    saved = [fp8_quant.quantize_per_group(t, fmt=config.act_format, **kw) for t in (q, k, v)]
+    saved = [fp8_quant.quantize_per_group(t, **config.quantize_kwargs()) for t in (q, k, v)]
     return out, keep(materialize(tuple(saved)))
 
 
 def _fp8_attention_bwd(is_causal, config, res, dy):
-    q, k, v = (
-        quant.dequantize_absmax(codes, scale, group_size=config.group_size).astype(dy.dtype)
-        for codes, scale in res
-    )
+    q, k, v = (t.dequantize().astype(dy.dtype) for t in res)
     _, pullback = jax.vjp(lambda q, k, v: _attend(q, k, v, is_causal), q, k, v)
     return pullback(dy)
 

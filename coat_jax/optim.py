@@ -146,7 +146,7 @@ def _replicated_like(leaves):
     return None
 
 
-def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> kernels.Moment:
+def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant.QuantizedTensor:
     """The quantized form of an all-zero moment, placed like ``param``."""
     n = param.shape[-1]
     stat_shape = (*param.shape[:-1], quant.num_groups(n, spec.group_size))
@@ -161,131 +161,30 @@ def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> kerne
 
     codes = jnp.zeros_like(param, dtype=quant.FORMATS[fmt])
     if not spec.expansion:
-        return kernels.Moment(codes, stat(zero.scale), optax.MaskedNode(), optax.MaskedNode())
-    return kernels.Moment(codes, stat(zero.scale), stat(zero.expand), stat(zero.center))
-
-
-def _full_precision_moment(x) -> kernels.Moment:
-    """A float32 moment kept as it is (in the ``*_codes`` field, no statistics)."""
-    return kernels.Moment(x, optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode())
+        return zero.replace(codes=codes, scale=stat(zero.scale))
+    return zero.replace(
+        codes=codes, scale=stat(zero.scale), expand=stat(zero.expand), center=stat(zero.center)
+    )
 
 
 def _unmask(x):
     return None if isinstance(x, optax.MaskedNode) else x
 
 
-def _moment_of(codes, scale, expand, center) -> kernels.Moment:
-    return kernels.Moment(codes, _unmask(scale), _unmask(expand), _unmask(center))
-
-
-def _coat_adam(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    *,
-    group_size: int | None = None,
-    expand_min: int = 16,
-    expansion: bool = True,
-    mu_format: str = "e4m3",
-    nu_format: str = "e4m3",
-    fp8_mask: Any | Callable[[optax.Params], Any] | None = None,
-    implementation: str = "auto",
-    interpret: bool = False,
-    mesh: Mesh | None = None,
-    partition_specs: Any | Callable[[optax.Params], Any] | None = None,
-) -> tuple[Callable, Callable]:
-    """``(init, step)`` of :func:`scale_by_coat_adam`; ``step`` can also apply the update."""
-    _check_decay("b1", b1)
-    _check_decay("b2", b2)
-    if _is_concrete_number(eps) and eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if _is_concrete_number(expand_min) and expand_min <= 0:
-        raise ValueError(f"expand_min must be a positive number, got {expand_min}")
-    if not isinstance(expansion, bool):
-        raise ValueError(f"expansion must be True or False, got {expansion!r}")
-    spec = kernels.MomentSpec(
-        group_size=_static_group_size(group_size),
-        mu_format=_named_format("mu_format", mu_format),
-        nu_format=_named_format("nu_format", nu_format),
-        expansion=expansion,
+def _moment_of(codes, scale, expand, center, group_size: int):
+    """A moment as the step sees it, from its four state fields: a ``QuantizedTensor``, or the
+    float32 moment itself where ``*_codes`` holds it (its statistics are ``MaskedNode``)."""
+    if isinstance(scale, optax.MaskedNode):
+        return codes
+    return quant.QuantizedTensor(
+        codes,
+        scale,
+        _unmask(expand),
+        _unmask(center),
+        fmt=quant.format_of(codes.dtype),
+        granularity="group",
+        group_size=group_size,
     )
-    check_implementation(implementation)
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {mesh!r}")
-    if partition_specs is not None and mesh is None:
-        raise ValueError("partition_specs needs mesh=: the specs name that mesh's axes")
-
-    def init_fn(params):
-        leaves, treedef = jax.tree.flatten(params)
-        flags = _quantized_flags(params, fp8_mask)
-        mus, nus = [], []
-        for p, quantized in zip(leaves, flags, strict=True):
-            if quantized:
-                mus.append(_init_moment(p, spec.mu_format, spec, expand_min))
-                nus.append(_init_moment(p, spec.nu_format, spec, expand_min))
-            else:
-                mus.append(_full_precision_moment(jnp.zeros_like(p, dtype=jnp.float32)))
-                nus.append(_full_precision_moment(jnp.zeros_like(p, dtype=jnp.float32)))
-        count = jnp.zeros([], jnp.int32, device=_replicated_like(leaves))
-        return _state_from_leaves(count, treedef, mus, nus)
-
-    def step(updates, state, params=None, decay=None):
-        """One step: ``(updates, new_state)``; with ``decay = (learning_rate, weight decay per
-        leaf)`` the update is applied to ``params`` too: ``(new_params, new_state)``."""
-        leaves, treedef = jax.tree.flatten(updates)
-        count = optax.safe_increment(state.count)
-        partitions = _leaf_partitions(updates, treedef, mesh, partition_specs)
-        if decay is None:
-            learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
-        else:
-            (learning_rate, decays), ps = decay, treedef.flatten_up_to(params)
-        out, mus, nus = [], [], []
-        for g, p, wd, mu, nu, partition in zip(
-            leaves,
-            ps,
-            decays,
-            _moments_of(state, treedef, "mu"),
-            _moments_of(state, treedef, "nu"),
-            partitions,
-            strict=True,
-        ):
-            if mu.scale is None:
-                m, v, u = kernels.adam_moments_and_update(
-                    g, mu.codes, nu.codes, count=count, b1=b1, b2=b2, eps=eps
-                )
-                if p is None:
-                    out.append(u.astype(g.dtype))
-                else:
-                    out.append(
-                        kernels.apply_update(p, u, learning_rate=learning_rate, weight_decay=wd)
-                    )
-                mus.append(_full_precision_moment(m))
-                nus.append(_full_precision_moment(v))
-                continue
-            hyper = dict(
-                count=count,
-                b1=b1,
-                b2=b2,
-                eps=eps,
-                expand_min=expand_min,
-                spec=spec,
-                implementation=implementation,
-                interpret=interpret,
-                mesh=mesh,
-                partition=partition,
-            )
-            if p is None:
-                u, new_mu, new_nu = kernels.coat_adam_step(g, mu, nu, **hyper)
-            else:
-                u, new_mu, new_nu = kernels.coat_adamw_apply(
-                    p, g, mu, nu, learning_rate=learning_rate, weight_decay=wd, **hyper
-                )
-            out.append(u)
-            mus.append(_masked_moment(new_mu))
-            nus.append(_masked_moment(new_nu))
-        return treedef.unflatten(out), _state_from_leaves(count, treedef, mus, nus)
-
-    return init_fn, step
 
 
 def scale_by_coat_adam(
@@ -350,26 +249,102 @@ def scale_by_coat_adam(
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.full((4, 256), 0.5)}, state, params)
     """
-    init_fn, step = _coat_adam(
-        b1,
-        b2,
-        eps,
-        group_size=group_size,
-        expand_min=expand_min,
+    _check_decay("b1", b1)
+    _check_decay("b2", b2)
+    if _is_concrete_number(eps) and eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if _is_concrete_number(expand_min) and expand_min <= 0:
+        raise ValueError(f"expand_min must be a positive number, got {expand_min}")
+    if not isinstance(expansion, bool):
+        raise ValueError(f"expansion must be True or False, got {expansion!r}")
+    spec = kernels.MomentSpec(
+        group_size=_static_group_size(group_size),
+        mu_format=_named_format("mu_format", mu_format),
+        nu_format=_named_format("nu_format", nu_format),
         expansion=expansion,
-        mu_format=mu_format,
-        nu_format=nu_format,
-        fp8_mask=fp8_mask,
-        implementation=implementation,
-        interpret=interpret,
-        mesh=mesh,
-        partition_specs=partition_specs,
     )
+    check_implementation(implementation)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {mesh!r}")
+    if partition_specs is not None and mesh is None:
+        raise ValueError("partition_specs needs mesh=: the specs name that mesh's axes")
+
+    def init_fn(params):
+        leaves, treedef = jax.tree.flatten(params)
+        flags = _quantized_flags(params, fp8_mask)
+        mus, nus = [], []
+        for p, quantized in zip(leaves, flags, strict=True):
+            if quantized:
+                mus.append(_init_moment(p, spec.mu_format, spec, expand_min))
+                nus.append(_init_moment(p, spec.nu_format, spec, expand_min))
+            else:
+                mus.append(jnp.zeros_like(p, dtype=jnp.float32))
+                nus.append(jnp.zeros_like(p, dtype=jnp.float32))
+        count = jnp.zeros([], jnp.int32, device=_replicated_like(leaves))
+        return _state_from_leaves(count, treedef, mus, nus)
+
+    def step(updates, state, params=None, decay=None):
+        """One step: ``(updates, new_state)``; with ``decay = (learning_rate, weight decay per
+        leaf)`` the update is applied to ``params`` too: ``(new_params, new_state)``."""
+        leaves, treedef = jax.tree.flatten(updates)
+        count = optax.safe_increment(state.count)
+        partitions = _leaf_partitions(updates, treedef, mesh, partition_specs)
+        if decay is None:
+            learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
+        else:
+            (learning_rate, decays), ps = decay, treedef.flatten_up_to(params)
+        out, mus, nus = [], [], []
+        for g, p, wd, mu, nu, partition in zip(
+            leaves,
+            ps,
+            decays,
+            _moments_of(state, treedef, "mu", spec.group_size),
+            _moments_of(state, treedef, "nu", spec.group_size),
+            partitions,
+            strict=True,
+        ):
+            if not isinstance(mu, quant.QuantizedTensor):
+                m, v, u = kernels.adam_moments_and_update(
+                    g, mu, nu, count=count, b1=b1, b2=b2, eps=eps
+                )
+                if p is None:
+                    out.append(u.astype(g.dtype))
+                else:
+                    out.append(
+                        kernels.apply_update(p, u, learning_rate=learning_rate, weight_decay=wd)
+                    )
+                mus.append(m)
+                nus.append(v)
+                continue
+            hyper = dict(
+                count=count,
+                b1=b1,
+                b2=b2,
+                eps=eps,
+                expand_min=expand_min,
+                spec=spec,
+                implementation=implementation,
+                interpret=interpret,
+                mesh=mesh,
+                partition=partition,
+            )
+            if p is None:
+                u, new_mu, new_nu = kernels.coat_adam_step(g, mu, nu, **hyper)
+            else:
+                u, new_mu, new_nu = kernels.coat_adamw_apply(
+                    p, g, mu, nu, learning_rate=learning_rate, weight_decay=wd, **hyper
+                )
+            out.append(u)
+            mus.append(new_mu)
+            nus.append(new_nu)
+        return treedef.unflatten(out), _state_from_leaves(count, treedef, mus, nus)
 
     def update_fn(updates, state, params=None):
         del params
         return step(updates, state)
 
+    # coat_adamw's fused apply runs the same step with its learning rate and weight decay.
+    update_fn.step = step
     return optax.GradientTransformation(init_fn, update_fn)
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -401,8 +376,12 @@ def _named_format(name: str, fmt) -> str:
     return fmt
 
 
-def _masked_moment(m: kernels.Moment) -> kernels.Moment:
-    return kernels.Moment(
+def _masked_moment(m) -> tuple:
+    """A moment's four state fields (the inverse of :func:`_moment_of`): a ``QuantizedTensor``'s
+    codes and statistics, ``MaskedNode`` for absent ones; a float32 moment in ``*_codes``."""
+    if not isinstance(m, quant.QuantizedTensor):
+        return m, optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode()
+    return (
         m.codes,
         m.scale,
         optax.MaskedNode() if m.expand is None else m.expand,
@@ -412,7 +391,7 @@ def _masked_moment(m: kernels.Moment) -> kernels.Moment:
 
 def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     def field(moments, i):
-        return treedef.unflatten([m[i] for m in moments])
+        return treedef.unflatten([_masked_moment(m)[i] for m in moments])
 
     return ScaleByCoatAdamState(
         count,
@@ -421,10 +400,10 @@ def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     )
 
 
-def _moments_of(state: ScaleByCoatAdamState, treedef, prefix: str) -> list[kernels.Moment]:
+def _moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: int) -> list:
     fields = [getattr(state, f"{prefix}_{name}") for name in ("codes", "scale", "expand", "center")]
     per_field = [treedef.flatten_up_to(f) for f in fields]
-    return [_moment_of(*parts) for parts in zip(*per_field, strict=True)]
+    return [_moment_of(*parts, group_size) for parts in zip(*per_field, strict=True)]
 
 
 def coat_adamw(
@@ -476,7 +455,7 @@ def coat_adamw(
       >>> updates, state = tx.update(grads, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
-    init_fn, step = _coat_adam(
+    scale = scale_by_coat_adam(
         b1,
         b2,
         eps,
@@ -491,10 +470,9 @@ def coat_adamw(
         mesh=mesh,
         partition_specs=partition_specs,
     )
+    step = scale.update.step
     tx = optax.chain(
-        optax.GradientTransformation(
-            init_fn, lambda updates, state, params=None: step(updates, state)
-        ),
+        scale,
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -630,8 +608,8 @@ def dequantized_moments(opt_state, *, group_size: int = DEFAULT_GROUP_SIZE):
     def read(prefix):
         return treedef.unflatten(
             [
-                m.codes if m.scale is None else kernels.dequantize_moment(m, group_size)
-                for m in _moments_of(state, treedef, prefix)
+                m.dequantize() if isinstance(m, quant.QuantizedTensor) else m
+                for m in _moments_of(state, treedef, prefix, group_size)
             ]
         )
 

@@ -1,16 +1,16 @@
 """FP8 codecs under the library's name: ``coat_jax.quant`` is ``pallas_kernels.quant``.
 
-The codecs (FP8 formats, clip-then-cast, per-group absmax and Dynamic Range Expansion) live at the
-bottom of the import order, beside the kernels that must agree with them (docs/design.md,
-'Layers'); this module re-exports their public names so that ``coat_jax.quant.quantize_dre`` and
-``from coat_jax import quant`` keep working.
+The codecs (FP8 formats, clip-then-cast, per-group absmax and Dynamic Range Expansion, and the
+:class:`QuantizedTensor` they return) live at the bottom of the import order, beside the kernels
+that must agree with them (docs/design.md, 'Layers'); this module re-exports their public names
+so that ``coat_jax.quant.quantize_dre`` and ``from coat_jax import quant`` keep working.
 
 Example:
   >>> import jax.numpy as jnp
   >>> from coat_jax import quant
   >>> q = quant.quantize_dre(jnp.linspace(-1.0, 1.0, 256).reshape(2, 128))
-  >>> q.codes.dtype, q.scale.shape
-  (dtype(float8_e4m3fn), (2, 1))
+  >>> type(q).__name__, q.codes.dtype, q.scale.shape, q.group_size, q.expansion
+  ('QuantizedTensor', dtype(float8_e4m3fn), (2, 1), 128, True)
 """
 
 from pallas_kernels.quant import (
@@ -18,9 +18,9 @@ from pallas_kernels.quant import (
     DRE_TINY,
     FORMATS,
     FP8_MAX,
+    GRANULARITIES,
     MAX_EXPAND,
-    AbsmaxQuantized,
-    DREQuantized,
+    QuantizedTensor,
     cast_to_fp8,
     check_group_size,
     dequantize_absmax,
@@ -29,6 +29,7 @@ from pallas_kernels.quant import (
     format_of,
     fp8_format,
     from_groups,
+    named,
     num_groups,
     quantize_absmax,
     quantize_dre,
@@ -49,8 +50,9 @@ __all__ = [
     "check_group_size",
     "to_groups",
     "from_groups",
-    "AbsmaxQuantized",
-    "DREQuantized",
+    "GRANULARITIES",
+    "QuantizedTensor",
+    "named",
     "quantize_absmax",
     "dequantize_absmax",
     "dre_statistics",

@@ -13,9 +13,10 @@ its state: every group lies on one shard, because the kernel runs under
 :func:`pallas_kernels.sharding.group_aligned_spec` (a split of the last axis off group boundaries
 moves to another axis, or that axis is replicated). The hyper-parameters are a replicated operand.
 
-A moment travels as a :class:`Moment`: codes with the parameter's shape in a float8 dtype and
-float32 per-group statistics of shape ``param.shape[:-1] + (ceil(n / group_size),)``; ``expand``
-and ``center`` are ``None`` without Dynamic Range Expansion.
+A moment travels as a :class:`pallas_kernels.quant.QuantizedTensor` made per group of
+``spec.group_size``: codes with the parameter's shape in a float8 dtype and float32 per-group
+statistics of shape ``param.shape[:-1] + (ceil(n / group_size),)``; ``expand`` and ``center`` are
+``None`` without Dynamic Range Expansion.
 
 The kernel (Pallas, Triton backend) does the whole step in one pass over memory: it reads the
 gradient, both moments' codes and statistics, and writes the update, the new codes and the new
@@ -40,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,16 +51,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from pallas_kernels import quant
 from pallas_kernels._dispatch import dispatch, require_gpu
+from pallas_kernels.quant import QuantizedTensor
 from pallas_kernels.sharding import check_spec, group_aligned_spec, shard_map
-
-
-class Moment(NamedTuple):
-    """One FP8-quantized moment of one parameter."""
-
-    codes: jax.Array
-    scale: jax.Array
-    expand: jax.Array | None = None
-    center: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,22 +70,24 @@ class MomentSpec:
         quant.fp8_format(self.nu_format)
 
 
-def quantize_moment(x: jax.Array, fmt: str, spec: MomentSpec, expand_min) -> Moment:
+def quantize_moment(x: jax.Array, fmt: str, spec: MomentSpec, expand_min) -> QuantizedTensor:
     """Quantizes a float32 moment as ``spec`` says (DRE or plain absmax)."""
     if spec.expansion:
-        return Moment(
-            *quant.quantize_dre(x, group_size=spec.group_size, fmt=fmt, expand_min=expand_min)
+        return quant.quantize_dre(x, group_size=spec.group_size, fmt=fmt, expand_min=expand_min)
+    return quant.quantize_absmax(x, group_size=spec.group_size, fmt=fmt)
+
+
+def _check_groups(name: str, moment: QuantizedTensor, spec: MomentSpec) -> None:
+    """``TypeError`` unless ``moment`` is a :class:`QuantizedTensor`, ``ValueError`` unless it
+    was quantized per group of ``spec.group_size``."""
+    if not isinstance(moment, QuantizedTensor):
+        raise TypeError(f"{name} must be a QuantizedTensor, got {type(moment).__name__}")
+    if moment.granularity != "group" or moment.group_size != spec.group_size:
+        raise ValueError(
+            f"{name} was quantized with granularity={moment.granularity!r}, group_size="
+            f"{moment.group_size}; the step's spec has groups of {spec.group_size}: quantize the "
+            "moments with the spec (quantize_moment) or pass the spec they were made with"
         )
-    return Moment(*quant.quantize_absmax(x, group_size=spec.group_size, fmt=fmt))
-
-
-def dequantize_moment(moment: Moment, group_size: int) -> jax.Array:
-    """The float32 moment a :class:`Moment` stands for."""
-    if moment.expand is None:
-        return quant.dequantize_absmax(moment.codes, moment.scale, group_size=group_size)
-    return quant.dequantize_dre(
-        moment.codes, moment.scale, moment.expand, moment.center, group_size=group_size
-    )
 
 
 def adam_moments_and_update(g, m, v, *, count, b1, b2, eps):
@@ -111,8 +105,8 @@ def adam_moments_and_update(g, m, v, *, count, b1, b2, eps):
 
 def coat_adam_step_reference(
     grad: jax.Array,
-    mu: Moment,
-    nu: Moment,
+    mu: QuantizedTensor,
+    nu: QuantizedTensor,
     *,
     count,
     b1,
@@ -120,12 +114,12 @@ def coat_adam_step_reference(
     eps,
     expand_min,
     spec: MomentSpec,
-) -> tuple[jax.Array, Moment, Moment]:
+) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
     """Plain-jnp COAT AdamW step of one parameter.
 
     Args:
       grad: the gradient, any float dtype, the parameter's shape.
-      mu, nu: the quantized first and second moments.
+      mu, nu: the quantized first and second moments (per group of ``spec.group_size``).
       count: the step number t, starting at 1 (a traced int is fine).
       b1, b2, eps, expand_min: numeric hyper-parameters (traced values are fine).
       spec: the static quantization settings.
@@ -134,8 +128,10 @@ def coat_adam_step_reference(
       ``(update, new_mu, new_nu)``: the update ``m_hat / (sqrt(v_hat) + eps)`` in ``grad.dtype``
       and the re-quantized moments.
     """
-    m = dequantize_moment(mu, spec.group_size)
-    v = dequantize_moment(nu, spec.group_size)
+    _check_groups("mu", mu, spec)
+    _check_groups("nu", nu, spec)
+    m = mu.dequantize()
+    v = nu.dequantize()
     m, v, update = adam_moments_and_update(grad, m, v, count=count, b1=b1, b2=b2, eps=eps)
     return (
         update.astype(grad.dtype),
@@ -166,8 +162,8 @@ def _check_placement(mesh, partition) -> None:
 
 def coat_adam_step(
     grad: jax.Array,
-    mu: Moment,
-    nu: Moment,
+    mu: QuantizedTensor,
+    nu: QuantizedTensor,
     *,
     count,
     b1,
@@ -180,7 +176,7 @@ def coat_adam_step(
     config: KernelConfig | None = None,
     mesh: Mesh | None = None,
     partition: PartitionSpec | None = None,
-) -> tuple[jax.Array, Moment, Moment]:
+) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
     """COAT AdamW step of one parameter on the chosen implementation (see module docstring).
 
     ``"auto"`` runs the kernel on a GPU when the group size is a power of two (COAT's 128 is)
@@ -230,7 +226,7 @@ def apply_update(param, update, *, learning_rate, weight_decay):
 
 def coat_adamw_apply_reference(
     param, grad, mu, nu, *, count, b1, b2, eps, expand_min, learning_rate, weight_decay, spec
-) -> tuple[jax.Array, Moment, Moment]:
+) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
     """Plain-jnp fused AdamW step of one parameter: ``(new_param, new_mu, new_nu)``."""
     update, new_mu, new_nu = coat_adam_step_reference(
         grad, mu, nu, count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec
@@ -242,8 +238,8 @@ def coat_adamw_apply_reference(
 def coat_adamw_apply(
     param: jax.Array,
     grad: jax.Array,
-    mu: Moment,
-    nu: Moment,
+    mu: QuantizedTensor,
+    nu: QuantizedTensor,
     *,
     count,
     b1,
@@ -258,7 +254,7 @@ def coat_adamw_apply(
     config: KernelConfig | None = None,
     mesh: Mesh | None = None,
     partition: PartitionSpec | None = None,
-) -> tuple[jax.Array, Moment, Moment]:
+) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
     """One whole COAT AdamW step of one parameter: ``(new_param, new_mu, new_nu)``.
 
     The same result as ``coat_adamw``'s update followed by ``optax.apply_updates`` (for a
@@ -463,7 +459,7 @@ def _log2_ratio(mx, mn):
 
 
 def _dequantize(codes, scale, expand, center, math_: _Math):
-    """Float32 moment of one tile, as :func:`dequantize_moment` computes it."""
+    """Float32 moment of one tile, as :meth:`QuantizedTensor.dequantize` computes it."""
     q = codes.astype(jnp.float32)
     y = q * scale
     if expand is None:
@@ -585,13 +581,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check_moment(name: str, moment: Moment, fmt: str, shape, n_groups: int, spec: MomentSpec):
+def _check_moment(
+    name: str, moment: QuantizedTensor, fmt: str, shape, n_groups: int, spec: MomentSpec
+):
+    _check_groups(name, moment, spec)
     stat_shape = (*shape[:-1], n_groups)
     if moment.codes.shape != tuple(shape) or moment.codes.dtype != quant.FORMATS[fmt]:
         raise ValueError(
             f"{name}.codes must be {quant.FORMATS[fmt]} of shape {tuple(shape)}, got "
             f"{moment.codes.dtype} of shape {moment.codes.shape}"
         )
+    if moment.fmt != fmt:
+        raise ValueError(f"{name}.fmt is {moment.fmt!r} but its codes are {fmt!r} codes")
     stats = [moment.scale] + ([moment.expand, moment.center] if spec.expansion else [])
     if not spec.expansion and (moment.expand is not None or moment.center is not None):
         raise ValueError(f"{name} has expand/center statistics but spec.expansion is False")
@@ -682,24 +683,24 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
     n_moment = len(mu_stats) + 1
     stat_shape = (*shape[:-1], n_groups)
 
-    def moment(parts):
+    def moment(parts, fmt):
         codes, *stats = parts
         stats = [s.reshape(stat_shape) for s in stats]
-        if not spec.expansion:
-            return Moment(codes.reshape(shape), stats[0])
-        return Moment(codes.reshape(shape), *stats)
+        return QuantizedTensor(
+            codes.reshape(shape), *stats, fmt=fmt, granularity="group", group_size=gs
+        )
 
     return (
         out.reshape(shape),
-        moment(moments_out[:n_moment]),
-        moment(moments_out[n_moment:]),
+        moment(moments_out[:n_moment], spec.mu_format),
+        moment(moments_out[n_moment:], spec.nu_format),
     )
 
 
 def coat_adam_step_pallas(
     grad: jax.Array,
-    mu: Moment,
-    nu: Moment,
+    mu: QuantizedTensor,
+    nu: QuantizedTensor,
     *,
     count,
     b1,
@@ -711,7 +712,7 @@ def coat_adam_step_pallas(
     config: KernelConfig | None = None,
     mesh: Mesh | None = None,
     partition: PartitionSpec | None = None,
-) -> tuple[jax.Array, Moment, Moment]:
+) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
     """The fused kernel version of :func:`coat_adam_step_reference` (same arguments, same result
     to float32 rounding; codes equal except at rounding ties).
 
@@ -746,33 +747,22 @@ def _sharded_call(grad, param, mu, nu, hyper, *, spec, config, interpret, mesh, 
     shape = grad.shape
     n_groups = quant.num_groups(shape[-1], spec.group_size)
     # Whole-array checks first, so that a mismatch is reported in the caller's shapes.
-    mu_stats = _check_moment("mu", mu, spec.mu_format, shape, n_groups, spec)
+    _check_moment("mu", mu, spec.mu_format, shape, n_groups, spec)
     _check_moment("nu", nu, spec.nu_format, shape, n_groups, spec)
     check_spec(partition, shape, mesh, f"the partition of a parameter of shape {shape}")
     split = group_aligned_spec(partition, shape, mesh, spec.group_size)
     apply = param is not None
-    n_stats = len(mu_stats)
-    # Statistics have the parameter's rank; every group lies on one shard, so they split alike.
-    moment_specs = (split,) * (1 + n_stats)
 
     def local(hyper, grad, *rest):
         p = rest[0] if apply else None
-        moments = rest[1:] if apply else rest
-        mu_l = Moment(*moments[: 1 + n_stats])
-        nu_l = Moment(*moments[1 + n_stats :])
-        out, new_mu, new_nu = _fused_call(
+        mu_l, nu_l = rest[-2:]
+        return _fused_call(
             grad, p, mu_l, nu_l, hyper, spec=spec, config=config, interpret=interpret
         )
-        return (out, *_present(new_mu), *_present(new_nu))
 
-    in_specs = (PartitionSpec(), split) + ((split,) if apply else ()) + moment_specs * 2
-    out_specs = (split,) + moment_specs * 2
-    out, *moments = shard_map(local, mesh, in_specs, out_specs)(
-        hyper, grad, *((param,) if apply else ()), *_present(mu), *_present(nu)
+    # One spec per moment, for its codes and its statistics alike: the statistics have the
+    # parameter's rank and every group lies on one shard.
+    in_specs = (PartitionSpec(), split) + ((split,) if apply else ()) + (split, split)
+    return shard_map(local, mesh, in_specs, (split, split, split))(
+        hyper, grad, *((param,) if apply else ()), mu, nu
     )
-    return out, Moment(*moments[: 1 + n_stats]), Moment(*moments[1 + n_stats :])
-
-
-def _present(moment: Moment) -> tuple:
-    """A moment's codes and statistics, without the ``None`` of a moment without DRE."""
-    return tuple(x for x in moment if x is not None)

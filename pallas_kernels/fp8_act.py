@@ -1,8 +1,9 @@
 """Non-linear ops of COAT's precision flow fused with their 1xG FP8 quantization, fwd and bwd.
 
 Each op computes its forward output from the exact (BF16) input in float32 and, in the same pass,
-writes the FP8 E4M3 codes and float32 1xG scales of the input(s) that its backward needs; the
-backward reads those codes instead of a BF16 copy (docs/design.md, 'The precision flow'):
+writes the FP8 E4M3 codes and float32 1xG scales of the input(s) that its backward needs, as one
+:class:`pallas_kernels.quant.QuantizedTensor` per input; the backward takes those quantized
+tensors instead of a BF16 copy (docs/design.md, 'The precision flow'):
 
 * RMSNorm: ``y = w * (x * rsqrt(mean(x^2) + eps))`` (Hugging Face Llama's rounding); saves
   FP8 ``x`` and the float32 per-row ``rsqrt`` (one number per row, 1/D of the activation).
@@ -40,9 +41,11 @@ from pallas_kernels.fp8_quant import (
     DEFAULT_TILES,
     group_quantize_tile,
     grouped_view,
+    per_group,
     pow2_divisor,
     tiles_for,
 )
+from pallas_kernels.quant import QuantizedTensor
 from pallas_kernels.sharding import KernelMesh, over_batch
 
 OPS = ("rmsnorm", "silu", "mul", "swiglu")
@@ -68,8 +71,26 @@ def _check_supported(op: str, shape, group_size: int) -> None:
         )
 
 
-def _dequant(codes, scale, group_size):
-    return quant.dequantize_absmax(codes, scale, group_size=group_size)
+def _check_saved(op: str, *saved) -> None:
+    """``TypeError`` unless ``saved`` are the quantized tensors the forward of ``op`` returned."""
+    for q in saved:
+        if not isinstance(q, QuantizedTensor):
+            raise TypeError(
+                f"{op} takes the QuantizedTensor(s) its forward returned (codes and scales in "
+                f"one), got {type(q).__name__}"
+            )
+
+
+def _kernel_groups(op: str, *saved: QuantizedTensor) -> int:
+    """The group size of 1xG absmax ``saved`` (one for all); ``NotImplementedError`` for any
+    other layout, which the reference dequantizes instead."""
+    sizes = {q.group_size for q in saved}
+    if any(q.granularity != "group" or q.expansion for q in saved) or len(sizes) != 1:
+        raise NotImplementedError(
+            f"the Pallas {op} kernel reads 1xG absmax codes of one group size, got "
+            + ", ".join(repr(q) for q in saved)
+        )
+    return sizes.pop()
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,17 +98,17 @@ def _dequant(codes, scale, group_size):
 
 
 def rmsnorm_fwd_reference(x, w, eps: float, *, group_size: int = 16, fmt: str = "e4m3"):
-    """``(y, codes, scale, rstd)``; ``rstd [..., 1]`` float32, ``y`` in ``x.dtype``."""
+    """``(y, x_q, rstd)``: ``y`` in ``x.dtype``, ``x_q`` the 1xG quantized ``x``, ``rstd [..., 1]``
+    float32."""
     x32 = x.astype(jnp.float32)
     rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     y = w.astype(x.dtype) * (x32 * rstd).astype(x.dtype)
-    q = quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
-    return y, q.codes, q.scale, rstd
+    return y, quant.quantize_absmax(x, group_size=group_size, fmt=fmt), rstd
 
 
-def rmsnorm_bwd_reference(dy, codes, scale, rstd, w, *, group_size: int = 16):
+def rmsnorm_bwd_reference(dy, x_q: QuantizedTensor, rstd, w):
     """``(dx in dy.dtype, dw in w.dtype)`` from the saved FP8 input."""
-    n = _dequant(codes, scale, group_size) * rstd
+    n = x_q.dequantize() * rstd
     dy32 = dy.astype(jnp.float32)
     # The forward rounds the normalized value to x.dtype before the weight multiply.
     n_rounded = n.astype(dy.dtype).astype(jnp.float32)
@@ -103,10 +124,10 @@ def silu32(x32):
 
 
 def silu_fwd_reference(x, *, group_size: int = 16, fmt: str = "e4m3"):
-    """``(y, codes, scale)``: ``y = silu(x)`` in float32 math, output in ``x.dtype``."""
+    """``(y, x_q)``: ``y = silu(x)`` in float32 math, output in ``x.dtype``; ``x_q`` the 1xG
+    quantized ``x``."""
     y = silu32(x.astype(jnp.float32)).astype(x.dtype)
-    q = quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
-    return y, q.codes, q.scale
+    return y, quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
 
 
 def silu_grad(x32):
@@ -114,18 +135,20 @@ def silu_grad(x32):
     return sig * (1.0 + x32 * (1.0 - sig))
 
 
-def silu_bwd_reference(dy, codes, scale, *, group_size: int = 16):
-    x = _dequant(codes, scale, group_size)
+def silu_bwd_reference(dy, x_q: QuantizedTensor):
+    x = x_q.dequantize()
     return (dy.astype(jnp.float32) * silu_grad(x)).astype(dy.dtype)
 
 
 def swiglu_fwd_reference(gate, up, *, group_size: int = 16, fmt: str = "e4m3"):
-    """``(y, gate_codes, gate_scale, up_codes, up_scale)``, ``y = silu(gate) * up``."""
+    """``(y, gate_q, up_q)``, ``y = silu(gate) * up``, with both inputs 1xG quantized."""
     g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
     y = (silu32(g32) * u32).astype(jnp.result_type(gate, up))
-    qg = quant.quantize_absmax(gate, group_size=group_size, fmt=fmt)
-    qu = quant.quantize_absmax(up, group_size=group_size, fmt=fmt)
-    return y, qg.codes, qg.scale, qu.codes, qu.scale
+    return (
+        y,
+        quant.quantize_absmax(gate, group_size=group_size, fmt=fmt),
+        quant.quantize_absmax(up, group_size=group_size, fmt=fmt),
+    )
 
 
 def swiglu_grads(dy32, g32, u32):
@@ -134,27 +157,25 @@ def swiglu_grads(dy32, g32, u32):
     return dy32 * u32 * sig * (1.0 + g32 * (1.0 - sig)), dy32 * g32 * sig
 
 
-def swiglu_bwd_reference(dy, g_codes, g_scale, u_codes, u_scale, *, group_size: int = 16):
-    dg, du = swiglu_grads(
-        dy.astype(jnp.float32),
-        _dequant(g_codes, g_scale, group_size),
-        _dequant(u_codes, u_scale, group_size),
-    )
+def swiglu_bwd_reference(dy, gate_q: QuantizedTensor, up_q: QuantizedTensor):
+    dg, du = swiglu_grads(dy.astype(jnp.float32), gate_q.dequantize(), up_q.dequantize())
     return dg.astype(dy.dtype), du.astype(dy.dtype)
 
 
 def mul_fwd_reference(a, b, *, group_size: int = 16, fmt: str = "e4m3"):
-    """``(y, a_codes, a_scale, b_codes, b_scale)`` with ``y = a * b`` in the inputs' dtype."""
+    """``(y, a_q, b_q)`` with ``y = a * b`` in the inputs' dtype, both inputs 1xG quantized."""
     y = (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(jnp.result_type(a, b))
-    qa = quant.quantize_absmax(a, group_size=group_size, fmt=fmt)
-    qb = quant.quantize_absmax(b, group_size=group_size, fmt=fmt)
-    return y, qa.codes, qa.scale, qb.codes, qb.scale
+    return (
+        y,
+        quant.quantize_absmax(a, group_size=group_size, fmt=fmt),
+        quant.quantize_absmax(b, group_size=group_size, fmt=fmt),
+    )
 
 
-def mul_bwd_reference(dy, a_codes, a_scale, b_codes, b_scale, *, group_size: int = 16):
+def mul_bwd_reference(dy, a_q: QuantizedTensor, b_q: QuantizedTensor):
     dy32 = dy.astype(jnp.float32)
-    da = dy32 * _dequant(b_codes, b_scale, group_size)
-    db = dy32 * _dequant(a_codes, a_scale, group_size)
+    da = dy32 * b_q.dequantize()
+    db = dy32 * a_q.dequantize()
     return da.astype(dy.dtype), db.astype(dy.dtype)
 
 
@@ -278,7 +299,7 @@ def _row_specs(bm, g, group_size):
     )
 
 
-@over_batch("br", "bbbb")
+@over_batch("br", "bbb")
 def rmsnorm_fwd_pallas(
     x, w, eps, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False
 ):
@@ -304,18 +325,13 @@ def rmsnorm_fwd_pallas(
         name="fp8_rmsnorm_fwd",
     )(x3, w.reshape(g, group_size))
     lead = x.shape[:-1]
-    return (
-        y.reshape(x.shape),
-        codes.reshape(x.shape),
-        scale.reshape(*lead, g),
-        rstd.reshape(*lead, 1),
-    )
+    x_q = per_group(codes.reshape(x.shape), scale.reshape(*lead, g), fmt=fmt, group_size=group_size)
+    return y.reshape(x.shape), x_q, rstd.reshape(*lead, 1)
 
 
-@over_batch("bbbbr", "bs")
-def rmsnorm_bwd_pallas(
-    dy, codes, scale, rstd, w, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
-):
+@over_batch("bbbr", "bs")
+def rmsnorm_bwd_pallas(dy, x_q, rstd, w, *, tiles=DEFAULT_TILES, interpret=False):
+    group_size = _kernel_groups("rmsnorm_bwd", x_q)
     _check_supported("rmsnorm", dy.shape, group_size)
     require_gpu(interpret)
     dy3 = grouped_view(dy, group_size)
@@ -336,8 +352,8 @@ def rmsnorm_bwd_pallas(
         name="fp8_rmsnorm_bwd",
     )(
         dy3,
-        grouped_view(codes, group_size),
-        scale.reshape(m, g),
+        grouped_view(x_q.codes, group_size),
+        x_q.scale.reshape(m, g),
         rstd.reshape(m),
         w.reshape(g, group_size),
     )
@@ -345,97 +361,82 @@ def rmsnorm_bwd_pallas(
     return dx.reshape(dy.shape), dw.astype(w.dtype)
 
 
-@over_batch("b", "bbb")
-def silu_fwd_pallas(x, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
+def _fwd_call(kernel, name, inputs, out_dtype, group_size, fmt, tiles, interpret):
+    """``_elementwise_call`` of a forward kernel that writes ``y`` and the 1xG codes and scales
+    of each input: ``(y, *quantized inputs)``."""
     fp8 = quant.FORMATS[fmt]
-    return tuple(
-        _elementwise_call(
-            functools.partial(_silu_fwd_kernel, fmt=fmt),
-            "fp8_silu_fwd",
-            [("x", x)],
-            [("x", x.dtype), ("x", fp8), ("s", jnp.float32)],
-            group_size,
-            tiles,
-            interpret,
-        )
-    )
-
-
-@over_batch("bbb", "b")
-def silu_bwd_pallas(dy, codes, scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False):
-    (dx,) = _elementwise_call(
-        _silu_bwd_kernel,
-        "fp8_silu_bwd",
-        [("x", dy), ("x", codes), ("s", scale)],
-        [("x", dy.dtype)],
+    y, *saved = _elementwise_call(
+        functools.partial(kernel, fmt=fmt),
+        name,
+        [("x", x) for x in inputs],
+        [("x", out_dtype)] + [("x", fp8), ("s", jnp.float32)] * len(inputs),
         group_size,
         tiles,
         interpret,
     )
+    quantized = [
+        per_group(codes, scale, fmt=fmt, group_size=group_size)
+        for codes, scale in zip(saved[::2], saved[1::2], strict=True)
+    ]
+    return (y, *quantized)
+
+
+def _bwd_call(kernel, name, dy, saved, n_out, tiles, interpret):
+    """``_elementwise_call`` of a backward kernel reading ``dy`` and the 1xG ``saved``."""
+    group_size = _kernel_groups(name, *saved)
+    inputs = [("x", dy)] + [part for q in saved for part in (("x", q.codes), ("s", q.scale))]
+    return _elementwise_call(
+        kernel, name, inputs, [("x", dy.dtype)] * n_out, group_size, tiles, interpret
+    )
+
+
+@over_batch("b", "bb")
+def silu_fwd_pallas(x, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
+    return _fwd_call(
+        _silu_fwd_kernel, "fp8_silu_fwd", [x], x.dtype, group_size, fmt, tiles, interpret
+    )
+
+
+@over_batch("bb", "b")
+def silu_bwd_pallas(dy, x_q, *, tiles=DEFAULT_TILES, interpret=False):
+    (dx,) = _bwd_call(_silu_bwd_kernel, "fp8_silu_bwd", dy, [x_q], 1, tiles, interpret)
     return dx
 
 
-@over_batch("bb", "bbbbb")
+@over_batch("bb", "bbb")
 def mul_fwd_pallas(a, b, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
-    fp8 = quant.FORMATS[fmt]
-    return tuple(
-        _elementwise_call(
-            functools.partial(_mul_fwd_kernel, fmt=fmt),
-            "fp8_mul_fwd",
-            [("x", a), ("x", b)],
-            [("x", jnp.result_type(a, b))] + [("x", fp8), ("s", jnp.float32)] * 2,
-            group_size,
-            tiles,
-            interpret,
-        )
+    out_dtype = jnp.result_type(a, b)
+    return _fwd_call(
+        _mul_fwd_kernel, "fp8_mul_fwd", [a, b], out_dtype, group_size, fmt, tiles, interpret
     )
 
 
-@over_batch("bb", "bbbbb")
+@over_batch("bb", "bbb")
 def swiglu_fwd_pallas(gate, up, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
-    fp8 = quant.FORMATS[fmt]
-    return tuple(
-        _elementwise_call(
-            functools.partial(_swiglu_fwd_kernel, fmt=fmt),
-            "fp8_swiglu_fwd",
-            [("x", gate), ("x", up)],
-            [("x", jnp.result_type(gate, up))] + [("x", fp8), ("s", jnp.float32)] * 2,
-            group_size,
-            tiles,
-            interpret,
-        )
-    )
-
-
-@over_batch("bbbbb", "bb")
-def swiglu_bwd_pallas(
-    dy, g_codes, g_scale, u_codes, u_scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
-):
-    dg, du = _elementwise_call(
-        _swiglu_bwd_kernel,
-        "fp8_swiglu_bwd",
-        [("x", dy), ("x", g_codes), ("s", g_scale), ("x", u_codes), ("s", u_scale)],
-        [("x", dy.dtype), ("x", dy.dtype)],
+    out_dtype = jnp.result_type(gate, up)
+    return _fwd_call(
+        _swiglu_fwd_kernel,
+        "fp8_swiglu_fwd",
+        [gate, up],
+        out_dtype,
         group_size,
+        fmt,
         tiles,
         interpret,
+    )
+
+
+@over_batch("bbb", "bb")
+def swiglu_bwd_pallas(dy, gate_q, up_q, *, tiles=DEFAULT_TILES, interpret=False):
+    dg, du = _bwd_call(
+        _swiglu_bwd_kernel, "fp8_swiglu_bwd", dy, [gate_q, up_q], 2, tiles, interpret
     )
     return dg, du
 
 
-@over_batch("bbbbb", "bb")
-def mul_bwd_pallas(
-    dy, a_codes, a_scale, b_codes, b_scale, *, group_size=16, tiles=DEFAULT_TILES, interpret=False
-):
-    da, db = _elementwise_call(
-        _mul_bwd_kernel,
-        "fp8_mul_bwd",
-        [("x", dy), ("x", a_codes), ("s", a_scale), ("x", b_codes), ("s", b_scale)],
-        [("x", dy.dtype), ("x", dy.dtype)],
-        group_size,
-        tiles,
-        interpret,
-    )
+@over_batch("bbb", "bb")
+def mul_bwd_pallas(dy, a_q, b_q, *, tiles=DEFAULT_TILES, interpret=False):
+    da, db = _bwd_call(_mul_bwd_kernel, "fp8_mul_bwd", dy, [a_q, b_q], 2, tiles, interpret)
     return da, db
 
 
@@ -459,7 +460,7 @@ def rmsnorm_fwd(
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
-    """Fused RMSNorm forward + 1xG quantization of ``x``: ``(y, codes, scale, rstd [..., 1])``."""
+    """Fused RMSNorm forward + 1xG quantization of ``x``: ``(y, x_q, rstd [..., 1])``."""
     quant.fp8_format(fmt)
     return _run(
         "rmsnorm_fwd",
@@ -475,35 +476,24 @@ def rmsnorm_fwd(
 
 def rmsnorm_bwd(
     dy,
-    codes,
-    scale,
+    x_q: QuantizedTensor,
     rstd,
     w,
     *,
-    group_size=16,
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
-    """RMSNorm backward from the saved FP8 input: ``(dx, dw)``."""
+    """RMSNorm backward from the saved FP8 input ``x_q`` and ``rstd``: ``(dx, dw)``."""
+    _check_saved("rmsnorm_bwd", x_q)
     return _run(
         "rmsnorm_bwd",
         implementation,
         interpret,
         mesh,
-        lambda: rmsnorm_bwd_pallas(
-            dy,
-            codes,
-            scale,
-            rstd,
-            w,
-            group_size=group_size,
-            tiles=tiles,
-            interpret=interpret,
-            mesh=mesh,
-        ),
-        lambda: rmsnorm_bwd_reference(dy, codes, scale, rstd, w, group_size=group_size),
+        lambda: rmsnorm_bwd_pallas(dy, x_q, rstd, w, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: rmsnorm_bwd_reference(dy, x_q, rstd, w),
     )
 
 
@@ -517,7 +507,7 @@ def silu_fwd(
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
-    """Fused SiLU forward + 1xG quantization of ``x``: ``(y, codes, scale)``."""
+    """Fused SiLU forward + 1xG quantization of ``x``: ``(y, x_q)``."""
     quant.fp8_format(fmt)
     return _run(
         "silu_fwd",
@@ -533,25 +523,22 @@ def silu_fwd(
 
 def silu_bwd(
     dy,
-    codes,
-    scale,
+    x_q: QuantizedTensor,
     *,
-    group_size=16,
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
-    """SiLU backward from the saved FP8 input: ``dx``."""
+    """SiLU backward from the saved FP8 input ``x_q``: ``dx``."""
+    _check_saved("silu_bwd", x_q)
     return _run(
         "silu_bwd",
         implementation,
         interpret,
         mesh,
-        lambda: silu_bwd_pallas(
-            dy, codes, scale, group_size=group_size, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        lambda: silu_bwd_reference(dy, codes, scale, group_size=group_size),
+        lambda: silu_bwd_pallas(dy, x_q, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: silu_bwd_reference(dy, x_q),
     )
 
 
@@ -566,7 +553,7 @@ def mul_fwd(
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
-    """Fused product + 1xG quantization of both inputs: ``(y, a_codes, a_scale, b_codes, b_scale)``."""
+    """Fused product + 1xG quantization of both inputs: ``(y, a_q, b_q)``."""
     quant.fp8_format(fmt)
     return _run(
         "mul_fwd",
@@ -582,28 +569,23 @@ def mul_fwd(
 
 def mul_bwd(
     dy,
-    a_codes,
-    a_scale,
-    b_codes,
-    b_scale,
+    a_q: QuantizedTensor,
+    b_q: QuantizedTensor,
     *,
-    group_size=16,
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
-    """Product backward from the saved FP8 inputs: ``(da, db)``."""
-    saved = (dy, a_codes, a_scale, b_codes, b_scale)
+    """Product backward from the saved FP8 inputs ``a_q``, ``b_q``: ``(da, db)``."""
+    _check_saved("mul_bwd", a_q, b_q)
     return _run(
         "mul_bwd",
         implementation,
         interpret,
         mesh,
-        lambda: mul_bwd_pallas(
-            *saved, group_size=group_size, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        lambda: mul_bwd_reference(*saved, group_size=group_size),
+        lambda: mul_bwd_pallas(dy, a_q, b_q, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: mul_bwd_reference(dy, a_q, b_q),
     )
 
 
@@ -618,7 +600,8 @@ def swiglu_fwd(
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
-    """Fused ``silu(gate) * up`` + 1xG quantization of both inputs (SiLU recomputed in backward)."""
+    """Fused ``silu(gate) * up`` + 1xG quantization of both inputs: ``(y, gate_q, up_q)`` (the
+    SiLU is recomputed in backward)."""
     quant.fp8_format(fmt)
     return _run(
         "swiglu_fwd",
@@ -634,26 +617,21 @@ def swiglu_fwd(
 
 def swiglu_bwd(
     dy,
-    g_codes,
-    g_scale,
-    u_codes,
-    u_scale,
+    gate_q: QuantizedTensor,
+    up_q: QuantizedTensor,
     *,
-    group_size=16,
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ):
     """SwiGLU backward from the saved FP8 gate and up: ``(d gate, d up)``."""
-    saved = (dy, g_codes, g_scale, u_codes, u_scale)
+    _check_saved("swiglu_bwd", gate_q, up_q)
     return _run(
         "swiglu_bwd",
         implementation,
         interpret,
         mesh,
-        lambda: swiglu_bwd_pallas(
-            *saved, group_size=group_size, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        lambda: swiglu_bwd_reference(*saved, group_size=group_size),
+        lambda: swiglu_bwd_pallas(dy, gate_q, up_q, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: swiglu_bwd_reference(dy, gate_q, up_q),
     )

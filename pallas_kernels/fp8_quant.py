@@ -9,6 +9,9 @@ Two quantizers feed COAT's FP8 activations (docs/design.md, 'The precision flow'
   GEMM. The scale is found just in time by *group scaling*: a max over each 1xG group, then a
   max over that G-times smaller tensor, with no amax history.
 
+Both return a :class:`pallas_kernels.quant.QuantizedTensor` (``granularity="group"`` with
+``group_size=G``, and ``"tensor"``), from the kernel and from the reference alike.
+
 Each entry point takes ``implementation="auto" | "xla" | "pallas"`` and ``interpret`` (run the
 Pallas kernel in interpret mode, which is how the CPU tests check the kernels against the
 reference), dispatched by :func:`pallas_kernels._dispatch.dispatch`: ``"auto"`` runs the Pallas
@@ -38,6 +41,7 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels import quant
 from pallas_kernels._dispatch import dispatch, require_gpu
+from pallas_kernels.quant import QuantizedTensor
 from pallas_kernels.sharding import KernelMesh, check_spec, over_batch, shard_map, spec_axes
 
 
@@ -97,10 +101,16 @@ def tiles_for(m: int, groups: int, tiles: TileConfig) -> tuple[int, int]:
 # per-group (1xG) quantization
 
 
-def quantize_per_group_reference(x: jax.Array, *, group_size: int = 16, fmt: str = "e4m3"):
-    """Plain-jnp 1xG absmax quantization: ``(codes [..., D], scale [..., D / G] float32)``."""
-    q = quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
-    return q.codes, q.scale
+def per_group(codes: jax.Array, scale: jax.Array, *, fmt: str, group_size: int) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of a kernel's 1xG codes and scales."""
+    return QuantizedTensor(codes, scale, fmt=fmt, granularity="group", group_size=group_size)
+
+
+def quantize_per_group_reference(
+    x: jax.Array, *, group_size: int = 16, fmt: str = "e4m3"
+) -> QuantizedTensor:
+    """Plain-jnp 1xG absmax quantization: codes ``[..., D]``, scales ``[..., D / G]`` float32."""
+    return quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
 
 
 def group_quantize_tile(x, fmt: str):
@@ -117,7 +127,7 @@ def _per_group_kernel(x_ref, q_ref, s_ref, *, fmt):
     s_ref[...] = scale
 
 
-@over_batch("b", "bb")
+@over_batch("b", "b")
 def quantize_per_group_pallas(
     x: jax.Array,
     *,
@@ -151,7 +161,9 @@ def quantize_per_group_pallas(
         interpret=interpret,
         name="fp8_quantize_per_group",
     )(x3)
-    return codes.reshape(x.shape), scale.reshape(*x.shape[:-1], g)
+    return per_group(
+        codes.reshape(x.shape), scale.reshape(*x.shape[:-1], g), fmt=fmt, group_size=gs
+    )
 
 
 def quantize_per_group(
@@ -163,16 +175,16 @@ def quantize_per_group(
     interpret: bool = False,
     tiles: TileConfig = DEFAULT_TILES,
     mesh: KernelMesh | None = None,
-):
-    """1xG absmax quantization along the last axis: ``(codes, scale [..., D / G] float32)``.
+) -> QuantizedTensor:
+    """1xG absmax quantization along the last axis: codes and float32 scales ``[..., D / G]``.
 
     ``mesh``: the :class:`KernelMesh` ``x`` is sharded over (batch-split leading axis), or
     ``None`` for one device.
 
     Example:
-        >>> codes, scale = quantize_per_group(jnp.ones((4, 32)), implementation="xla")
-        >>> codes.dtype, scale.shape
-        (dtype(float8_e4m3fn), (4, 2))
+        >>> q = quantize_per_group(jnp.ones((4, 32)), implementation="xla")
+        >>> q.codes.dtype, q.scale.shape, q.group_size
+        (dtype(float8_e4m3fn), (4, 2), 16)
     """
     return dispatch(
         "quantize_per_group",
@@ -238,10 +250,17 @@ def scale_from_amax(amax: jax.Array, fmt: str) -> jax.Array:
     return round_up_to_bfloat16((jnp.max(amax) + quant.ABSMAX_TINY) / quant.FP8_MAX[fmt])
 
 
-def quantize_per_tensor_reference(x: jax.Array, *, fmt: str = "e4m3", group_size: int = 16):
-    """Plain-jnp per-tensor quantization: ``(codes, scale)`` with a float32 scalar scale."""
+def per_tensor(codes: jax.Array, scale: jax.Array, *, fmt: str) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of codes with one float32 scalar scale."""
+    return QuantizedTensor(codes, scale, fmt=fmt, granularity="tensor")
+
+
+def quantize_per_tensor_reference(
+    x: jax.Array, *, fmt: str = "e4m3", group_size: int = 16
+) -> QuantizedTensor:
+    """Plain-jnp per-tensor quantization: codes with a float32 scalar scale."""
     scale = scale_from_amax(group_amax_reference(x, group_size=group_size), quant.fp8_format(fmt))
-    return quant.cast_to_fp8(x.astype(jnp.float32) / scale, fmt), scale
+    return per_tensor(quant.cast_to_fp8(x.astype(jnp.float32) / scale, fmt), scale, fmt=fmt)
 
 
 def _scaled_cast_kernel(x_ref, s_ref, q_ref, *, fmt):
@@ -259,7 +278,7 @@ def quantize_per_tensor_pallas(
     interpret: bool = False,
     mesh: KernelMesh | None = None,
     partition: PartitionSpec | None = None,
-):
+) -> QuantizedTensor:
     """Two Pallas passes: group maxima, then the scaled cast (the scalar max runs in XLA).
 
     With ``mesh``, ``x`` is split as ``partition`` (default: ``mesh.activation_spec``, the
@@ -270,16 +289,17 @@ def quantize_per_tensor_pallas(
     quant.fp8_format(fmt)
     kwargs = dict(fmt=fmt, group_size=group_size, tiles=tiles, interpret=interpret)
     if mesh is None:
-        return _per_tensor_shard(x, axes=(), **kwargs)
+        return per_tensor(*_per_tensor_shard(x, axes=(), **kwargs), fmt=fmt)
     spec = mesh.activation_spec(x.shape) if partition is None else partition
     check_spec(spec, x.shape, mesh.mesh, "quantize_per_tensor")
     axes = spec_axes(spec)
-    return shard_map(
+    codes, scale = shard_map(
         functools.partial(_per_tensor_shard, axes=axes, **kwargs),
         mesh.mesh,
         (spec,),
         (spec, PartitionSpec()),
     )(x)
+    return per_tensor(codes, scale, fmt=fmt)
 
 
 def _per_tensor_shard(x, *, fmt, group_size, tiles, interpret, axes):
@@ -320,16 +340,16 @@ def quantize_per_tensor(
     tiles: TileConfig = DEFAULT_TILES,
     mesh: KernelMesh | None = None,
     partition: PartitionSpec | None = None,
-):
-    """Per-tensor quantization with a just-in-time group-scaling scale: ``(codes, scale ())``.
+) -> QuantizedTensor:
+    """Per-tensor quantization with a just-in-time group-scaling scale (a float32 scalar).
 
     ``mesh``/``partition``: where ``x`` lives (see :func:`quantize_per_tensor_pallas`); the XLA
     reference needs neither (XLA partitions its maximum itself).
 
     Example:
-        >>> codes, scale = quantize_per_tensor(jnp.ones((4, 32)), implementation="xla")
-        >>> float(scale) >= 1 / 448
-        True
+        >>> q = quantize_per_tensor(jnp.ones((4, 32)), implementation="xla")
+        >>> q.granularity, q.scale.shape, float(q.scale) >= 1 / 448
+        ('tensor', (), True)
     """
     return dispatch(
         "quantize_per_tensor",

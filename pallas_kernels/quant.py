@@ -5,9 +5,11 @@ Everything here is the reference numerics of docs/design.md, 'Formats', 'Groups 
 The codecs are the bottom layer (docs/design.md, 'Layers'): this module imports nothing of the
 project, the kernels and the library build on it, and ``coat_jax.quant`` re-exports it.
 
-A quantized tensor travels as its codes (the tensor's own shape, in a float8 dtype) plus float32
-per-group statistics of shape ``x.shape[:-1] + (ceil(n / group_size),)``: the same rank as ``x``,
-so a sharding of ``x`` that does not split its last axis applies to the statistics unchanged.
+A quantized tensor travels as one pytree, :class:`QuantizedTensor`: its codes (the tensor's own
+shape, in a float8 dtype) plus float32 scales -- one per tensor, or per group of shape
+``x.shape[:-1] + (ceil(n / group_size),)``, the same rank as ``x``, so a sharding of ``x`` that
+does not split its last axis applies to the statistics unchanged -- and, as static metadata, the
+format and group layout it was made with.
 
 Groups are ``group_size`` consecutive elements along the last axis. When the last axis is not a
 multiple of ``group_size`` the final group is shorter: it is padded with zeros, which change neither
@@ -16,12 +18,14 @@ the absmax nor the DRE statistics (DRE's minimum is taken over non-zero magnitud
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 FORMATS: dict[str, jnp.dtype] = {
     "e4m3": jnp.dtype(jnp.float8_e4m3fn),
@@ -103,32 +107,152 @@ def from_groups(x_g: jax.Array, n: int) -> jax.Array:
     return x[..., :n] if x.shape[-1] != n else x
 
 
-class AbsmaxQuantized(NamedTuple):
-    """Per-group absmax quantization: ``x ~= codes * scale`` (scale broadcast over each group)."""
-
-    codes: jax.Array
-    scale: jax.Array
+GRANULARITIES = ("tensor", "group")
 
 
-class DREQuantized(NamedTuple):
-    """Per-group quantization with Dynamic Range Expansion: codes, scale, exponent, centre.
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["codes", "scale", "expand", "center"],
+    meta_fields=["fmt", "granularity", "group_size"],
+)
+@dataclasses.dataclass(frozen=True, repr=False)
+class QuantizedTensor:
+    """An FP8-quantized tensor: its codes, its scales and the layout they were made with.
 
-    The formulas: docs/design.md, 'Dynamic Range Expansion'.
+    The one form a quantized value takes in the library: what the codecs here return, what the
+    kernels take and return (``pallas_kernels.fp8_quant``, ``fp8_act``, ``coat_adam``), what the
+    FP8 ops keep for backward and what the optimizer's moments are between its state fields.
+
+    A pytree: ``codes``, ``scale``, ``expand`` and ``center`` are its leaves (``None`` fields are
+    absent, not leaves), the layout is static metadata, so it passes through ``jit``,
+    ``eval_shape``, ``vmap``, ``shard_map`` and ``custom_vjp`` residuals like a tuple of arrays,
+    and a change of layout (not of values) retraces.
+
+    Attributes:
+      codes: the values in the FP8 format ``fmt``, the tensor's own shape.
+      scale: float32. ``granularity="tensor"``: a scalar. ``"group"``: one per group of
+        ``group_size`` consecutive values along the last axis, shape
+        ``codes.shape[:-1] + (ceil(n / group_size),)`` (the tensor's rank, so the tensor's
+        sharding fits it); a short last group is zero-padded (docs/design.md, 'Groups of 128').
+      expand, center: Dynamic Range Expansion's per-group exponent and centre (float32, the
+        scale's shape), or ``None`` for plain absmax scaling (docs/design.md, 'Dynamic Range
+        Expansion').
+      fmt: the FP8 format name, ``"e4m3"`` or ``"e5m2"`` (static).
+      granularity: ``"tensor"`` (one scale) or ``"group"`` (static).
+      group_size: values per group along the last axis; ``None`` for ``"tensor"`` (static).
+
+    Example:
+      >>> x = jnp.linspace(-1.0, 1.0, 32).reshape(2, 16)
+      >>> q = quantize_absmax(x, group_size=16)
+      >>> q
+      QuantizedTensor(e4m3, group of 16, codes float8_e4m3fn[2, 16], scale float32[2, 1])
+      >>> q.nbytes, bool(jnp.max(jnp.abs(q.dequantize() - x)) < 0.05)
+      (40, True)
     """
 
     codes: jax.Array
     scale: jax.Array
-    expand: jax.Array
-    center: jax.Array
+    expand: jax.Array | None = None
+    center: jax.Array | None = None
+    _: dataclasses.KW_ONLY
+    fmt: str
+    granularity: str
+    group_size: int | None = None
+
+    def __post_init__(self):
+        # Runs on every unflatten too, where the array fields may hold any placeholder (tracers,
+        # ShapeDtypeStructs, PartitionSpecs): only the static fields and the presence of the
+        # statistics are checked.
+        fp8_format(self.fmt)
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"granularity={self.granularity!r} is not one of {list(GRANULARITIES)}"
+            )
+        if (self.expand is None) != (self.center is None):
+            raise ValueError(
+                "a QuantizedTensor has both DRE statistics (expand and center) or neither"
+            )
+        if self.granularity == "tensor":
+            if self.group_size is not None:
+                raise ValueError(
+                    f"a per-tensor QuantizedTensor has no group size, got group_size="
+                    f"{self.group_size!r}; pass granularity='group' for per-group scales"
+                )
+            if self.expand is not None:
+                raise ValueError("Dynamic Range Expansion is per group: use granularity='group'")
+        else:
+            object.__setattr__(self, "group_size", check_group_size(self.group_size))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape (its codes')."""
+        return tuple(self.codes.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.codes.shape)
+
+    @property
+    def expansion(self) -> bool:
+        """Whether the codes carry Dynamic Range Expansion (``expand`` and ``center``)."""
+        return self.expand is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and statistics (works on arrays and ``ShapeDtypeStruct`` leaves)."""
+        return state_bytes(self)
+
+    def dequantize(self) -> jax.Array:
+        """The float32 tensor the codes stand for: :func:`dequantize_dre`,
+        :func:`dequantize_absmax`, or ``codes * scale`` for one scale per tensor."""
+        if self.granularity == "tensor":
+            return self.codes.astype(jnp.float32) * self.scale.astype(jnp.float32)
+        if self.expansion:
+            return dequantize_dre(
+                self.codes, self.scale, self.expand, self.center, group_size=self.group_size
+            )
+        return dequantize_absmax(self.codes, self.scale, group_size=self.group_size)
+
+    def replace(self, **changes) -> QuantizedTensor:
+        """A copy with some fields replaced (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        def field(name):
+            x = getattr(self, name)
+            if x is None:
+                return None
+            dtype = getattr(x, "dtype", None)
+            shape = getattr(x, "shape", None)
+            if dtype is None or shape is None:
+                return f"{name} {x!r}"
+            return f"{name} {jnp.dtype(dtype).name}{list(shape)}"
+
+        layout = "tensor" if self.granularity == "tensor" else f"group of {self.group_size}"
+        parts = [self.fmt, layout] + [
+            f for f in map(field, ("codes", "scale", "expand", "center")) if f is not None
+        ]
+        return f"QuantizedTensor({', '.join(parts)})"
 
 
-def quantize_absmax(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3") -> AbsmaxQuantized:
+def named(tree, name: str):
+    """Tags every array of ``tree`` (quantized tensors included) with ``checkpoint_name(name)``.
+
+    The one way residuals are named for remat: a policy that saves ``name``
+    (``jax.checkpoint_policies.save_only_these_names``) keeps every array ``tree`` holds.
+    """
+    return jax.tree.map(lambda x: checkpoint_name(x, name), tree)
+
+
+def quantize_absmax(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3") -> QuantizedTensor:
     """Per-group absmax quantization: ``s = (max|x| + 1e-20) / fmax``, ``q = fp8(x / s)``."""
     fmax = FP8_MAX[fp8_format(fmt)]
     x_g = to_groups(x.astype(jnp.float32), group_size)
     scale = (jnp.max(jnp.abs(x_g), axis=-1) + ABSMAX_TINY) / fmax
     codes = cast_to_fp8(x_g / scale[..., None], fmt)
-    return AbsmaxQuantized(from_groups(codes, x.shape[-1]), scale)
+    return QuantizedTensor(
+        from_groups(codes, x.shape[-1]), scale, fmt=fmt, granularity="group", group_size=group_size
+    )
 
 
 def dequantize_absmax(codes: jax.Array, scale: jax.Array, *, group_size: int = 128) -> jax.Array:
@@ -162,7 +286,7 @@ def dre_statistics(x_g: jax.Array, *, fmt: str, expand_min) -> tuple[jax.Array, 
 
 def quantize_dre(
     x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", expand_min=16
-) -> DREQuantized:
+) -> QuantizedTensor:
     """Per-group quantization with Dynamic Range Expansion (COAT).
 
     Per group: ``y = sign(x) |x / c|^k``, ``s = (max / c)^k / fmax``, ``q = fp8(y / s)``, with
@@ -174,7 +298,15 @@ def quantize_dre(
     c, k, s = dre_statistics(x_g, fmt=fmt, expand_min=expand_min)
     y = jnp.sign(x_g) * jnp.power(jnp.abs(x_g / c[..., None]), k[..., None])
     codes = cast_to_fp8(y / s[..., None], fmt)
-    return DREQuantized(from_groups(codes, x.shape[-1]), s, k, c)
+    return QuantizedTensor(
+        from_groups(codes, x.shape[-1]),
+        s,
+        k,
+        c,
+        fmt=fmt,
+        granularity="group",
+        group_size=group_size,
+    )
 
 
 def dequantize_dre(

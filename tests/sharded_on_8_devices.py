@@ -236,9 +236,10 @@ def test_per_tensor_scale_is_the_global_maximum_bit_for_bit(fmt="e5m2"):
     # The largest value sits on one shard only: each shard's own scale would differ.
     x = _activation((16, 96), seed=3).at[5, 7].set(300.0)
     fn = lambda x, mesh: fp8_quant.quantize_per_tensor(x, fmt=fmt, mesh=mesh, **PALLAS)
-    (codes, scale), (codes1, scale1) = _on_mesh(fn, x), _one_device(fn, x)
+    q, q1 = _on_mesh(fn, x), _one_device(fn, x)
+    (codes, scale), (codes1, scale1) = (q.codes, q.scale), (q1.codes, q1.scale)
     assert np.asarray(scale).view(np.uint32) == np.asarray(scale1).view(np.uint32)
-    _, scale_ref = fp8_quant.quantize_per_tensor_reference(x, fmt=fmt)
+    scale_ref = fp8_quant.quantize_per_tensor_reference(x, fmt=fmt).scale
     assert np.asarray(scale).view(np.uint32) == np.asarray(scale_ref).view(np.uint32)
     _equal(codes, codes1)
     assert codes.sharding.spec == P(("data", "fsdp"))
@@ -252,8 +253,8 @@ def test_per_tensor_quantizer_of_a_weight_on_its_fsdp_shards():
     assert spec == P("fsdp", None)  # 64 columns per shard would split groups: rows
     w_sh = jax.device_put(w, jax.sharding.NamedSharding(MESH, spec))
     fn = jax.jit(lambda w: fp8_quant.quantize_per_tensor(w, mesh=KMESH, partition=spec, **PALLAS))
-    codes, scale = fn(w_sh)
-    codes1, scale1 = jax.jit(lambda w: fp8_quant.quantize_per_tensor(w, **PALLAS))(w)
+    q, q1 = fn(w_sh), jax.jit(lambda w: fp8_quant.quantize_per_tensor(w, **PALLAS))(w)
+    (codes, scale), (codes1, scale1) = (q.codes, q.scale), (q1.codes, q1.scale)
     assert np.asarray(scale).view(np.uint32) == np.asarray(scale1).view(np.uint32)
     _equal(codes, codes1)
     assert (64, 256) not in _gathered_shapes(fn.lower(w_sh).compile().as_text())
@@ -336,7 +337,8 @@ def test_gathered_weight_codes_travel_as_fp8_not_float32():
     x = jax.device_put(jax.random.normal(jax.random.key(14), (16, 64)), BATCH)
 
     def gemm(x, w, gather):
-        codes, scale = fp8_quant.quantize_per_tensor(w, mesh=KMESH, partition=spec, **PALLAS)
+        q = fp8_quant.quantize_per_tensor(w, mesh=KMESH, partition=spec, **PALLAS)
+        codes, scale = q.codes, q.scale
         codes = KMESH.gathered(codes) if gather else codes
         return (x @ codes.astype(jnp.float32)) * scale
 

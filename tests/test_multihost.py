@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -111,6 +114,14 @@ def test_one_process_puts_batches_as_before():
     np.testing.assert_array_equal(np.asarray(placed), batch)
 
 
+def test_one_process_stops_on_its_own_signal_at_once():
+    agreement = distributed.StopAgreement(say=pytest.fail)
+    assert not agreement.several and not hasattr(agreement, "_reduce")  # nothing to compile
+    assert agreement.stop(None) is None
+    assert agreement.stop(signal.SIGTERM) == signal.SIGTERM  # this boundary, not the next
+    assert agreement.final(signal.SIGINT) == signal.SIGINT
+
+
 # --- two processes against one ----------------------------------------------------------------
 
 RUN = [
@@ -130,7 +141,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(out: Path, devices: int, cache: Path, extra_env: dict) -> subprocess.Popen:
+def _start(
+    out: Path, devices: int, cache: Path, extra_env: dict, args=(), tag=""
+) -> subprocess.Popen:
     env = dict(
         os.environ,
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
@@ -142,9 +155,10 @@ def _start(out: Path, devices: int, cache: Path, extra_env: dict) -> subprocess.
     for name in list(env):
         if name.startswith(("COAT_JAX_", "SLURM_", "OMPI_")) and name not in extra_env:
             del env[name]
-    log = open(out.with_suffix(f".{extra_env.get('COAT_JAX_PROCESS_ID', 'single')}.log"), "w")
+    name = f"{out.name}{tag}.{extra_env.get('COAT_JAX_PROCESS_ID', 'single')}.log"
+    log = open(out.parent / name, "w")
     return subprocess.Popen(
-        [sys.executable, "train.py", *RUN, f"output_dir={out}", f"cache_dir={cache}"],
+        [sys.executable, "train.py", *RUN, f"output_dir={out}", f"cache_dir={cache}", *args],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -164,6 +178,25 @@ def _wait(procs: dict[str, subprocess.Popen], tmp_path: Path, timeout: float) ->
     logs = {p.name: p.read_text()[-3000:] for p in tmp_path.glob("*.log")}
     failed = {name: proc.returncode for name, proc in procs.items() if proc.returncode}
     assert not failed, (failed, logs)
+
+
+def _two_processes(out: Path, cache: Path, args=(), tag="") -> dict[str, subprocess.Popen]:
+    port = _free_port()
+    return {
+        f"process {i}": _start(
+            out,
+            4,
+            cache,
+            {
+                "COAT_JAX_COORDINATOR": f"127.0.0.1:{port}",
+                "COAT_JAX_NUM_PROCESSES": "2",
+                "COAT_JAX_PROCESS_ID": str(i),
+            },
+            args,
+            tag,
+        )
+        for i in range(2)
+    }
 
 
 def _records(out: Path) -> list[dict]:
@@ -217,3 +250,60 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
     assert worst < 1e-6
     assert rel < 1e-5
     assert two[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-6)
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(tmp_path):
+    # A signal that reaches process 1 only: without the processes' agreement process 1 alone
+    # stops and saves, and both then wait for each other (in a collective, or in Orbax's save),
+    # until the timeouts below.
+    cache, out = tmp_path / "tokens", tmp_path / "run"
+    # A shared compilation cache: the resumed run compiles less (about 10 s here).
+    xla = f"compilation_cache_dir={tmp_path / 'xla'}"
+    procs = _two_processes(out, cache, ["steps=100000", xla])
+    try:
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert all(p.poll() is None for p in procs.values()), "a process ended early"
+            assert time.monotonic() < deadline, "no step finished in 240 s"
+            time.sleep(0.1)
+        procs["process 1"].send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        for proc in procs.values():
+            proc.wait(timeout=max(1.0, 90 - (time.monotonic() - start)))
+    except subprocess.TimeoutExpired:
+        alive = [name for name, p in procs.items() if p.poll() is None]
+        pytest.fail(f"{alive} still running 90 s after SIGTERM to process 1 (a hang)")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    logs = {p.name: p.read_text()[-3000:] for p in tmp_path.glob("*.log")}
+    codes = {name: p.returncode for name, p in procs.items()}
+    assert codes == {"process 0": 128 + signal.SIGTERM, "process 1": 128 + signal.SIGTERM}, logs
+    own = (out / "processes" / "1" / "train.log").read_text()
+    main = (out / "train.log").read_text()
+    finished = int(re.search(r"received SIGTERM after step (\d+)", own).group(1))
+    assert "received SIGTERM after" not in main
+    assert "another process received SIGTERM: stopping with it" in main
+    # One complete checkpoint, at the step both processes report; it reads back whole.
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert not [n for n in names if "tmp" in n], names
+    (saved,) = [int(n) for n in names if n.isdigit()]
+    for text in (main, own):
+        assert f"stopped at step {saved} by SIGTERM; checkpoint saved" in text, text[-2000:]
+    # The step in flight and at most two more (one boundary's agreement) ran after the signal.
+    print(f"SIGTERM to process 1 after step {finished}: both stopped at step {saved}")
+    assert finished < saved <= finished + 3
+    assert read_params(out)[1]["step"] == saved
+    assert [r["step"] for r in _records(out) if "loss" in r] == list(range(1, saved + 1))
+
+    # Both processes resume from it and finish a short run (no final save: it is not what is
+    # tested here, and it costs seconds).
+    args = [f"steps={saved + 2}", "resume=true", "save_final=false", xla]
+    procs = _two_processes(out, cache, args, ".resumed")
+    _wait(procs, tmp_path, timeout=180)
+    assert f"resumed from step {saved} in" in (out / "train.log").read_text()
+    assert [r["step"] for r in _records(out) if "loss" in r] == list(range(1, saved + 3))
+    assert "val_loss" in _records(out)[-1]

@@ -49,7 +49,7 @@ def _assert_codes_match(got, want, what):
     assert frac <= MAX_TIE_FRACTION, f"{what}: {frac:.2%} of codes differ"
 
 
-def _assert_stats_match(got: ca.Moment, want: ca.Moment, what, rtol=1e-5):
+def _assert_stats_match(got: quant.QuantizedTensor, want: quant.QuantizedTensor, what, rtol=1e-5):
     for name in ("scale", "expand", "center"):
         g, w = getattr(got, name), getattr(want, name)
         assert (g is None) == (w is None), (what, name)

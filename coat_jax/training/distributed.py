@@ -20,15 +20,20 @@ each process transfers only its own devices' rows of every batch
 (:func:`coat_jax.training.sharding.put_batch`), only the main process (index 0) writes
 metrics.jsonl, config.yaml, the loss plot and status lines, and every process takes part in
 Orbax's checkpoint saves and restores (the output directory must be one shared file system).
+A stop signal (SIGTERM, Ctrl-C) that reaches only some processes stops all of them at the same
+step (:class:`StopAgreement`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 COORDINATOR = "COAT_JAX_COORDINATOR"
 NUM_PROCESSES = "COAT_JAX_NUM_PROCESSES"
@@ -155,6 +160,80 @@ def sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+class StopAgreement:
+    """Turns each process's stop request (a signal number, or None) into one decision for all.
+
+    With one process the decision is the process's own request, at once: nothing is computed.
+    With several, a signal that reaches only some of them must still stop every process at the
+    same step, or the others wait in the step's next collective for processes that left. At each
+    step boundary :meth:`stop` dispatches a tiny jitted maximum of every process's request (one
+    int32 per process, on one device of each: a cross-process all-reduce) and reads the result
+    of the one it dispatched at the boundary before. Every process reads the same result at the
+    same boundary, so all stop after the same step, report the same signal (the largest number
+    requested: SIGTERM over SIGINT) and exit with the same code. Reading one boundary late keeps
+    the bounded dispatch: that reduction was queued behind the previous step, which the loop has
+    already waited for, so the host never waits for the step in flight; the price is that the
+    processes stop one step later than one process would. :meth:`final`, after the loop, reads
+    the last reduction; a signal that arrives after it is not acted on (the run finishes).
+    """
+
+    def __init__(self, say=print):
+        self._say = say
+        self.several = jax.process_count() > 1
+        self.signum: int | None = None  # the agreed request
+        self._pending: jax.Array | None = None
+        if self.several:
+            first = {}
+            for d in jax.devices():
+                first.setdefault(d.process_index, d)
+            mesh = jax.sharding.Mesh(np.array([first[p] for p in sorted(first)]), ("processes",))
+            self._sharding = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec("processes")
+            )
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._reduce = jax.jit(jnp.max, out_shardings=replicated)
+            self._inputs: dict[int, jax.Array] = {}
+
+    def stop(self, local: int | None) -> int | None:
+        """At a step boundary: the agreed request (None: go on). ``local``: this process's."""
+        if not self.several:
+            self.signum = local
+            return local
+        if self.signum is None:
+            previous, self._pending = self._pending, self._reduce(self._input(local))
+            if previous is not None:
+                self._read(previous, local)
+        return self.signum
+
+    def final(self, local: int | None) -> int | None:
+        """After the last step: the agreed request, from every reduction dispatched."""
+        if not self.several:
+            self.signum = local
+            return local
+        if self.signum is None and self._pending is not None:
+            self._read(self._pending, local)
+        self._pending = None
+        return self.signum
+
+    def _input(self, local: int | None) -> jax.Array:
+        value = 0 if local is None else int(local)
+        if value not in self._inputs:
+            self._inputs[value] = jax.make_array_from_process_local_data(
+                self._sharding, np.array([value], np.int32)
+            )
+        return self._inputs[value]
+
+    def _read(self, reduced: jax.Array, local: int | None) -> None:
+        value = int(np.asarray(reduced.addressable_data(0)))
+        if value:
+            self.signum = value
+            if local is None:
+                self._say(
+                    f"another process received {signal.Signals(value).name}: stopping with it "
+                    "once the step in flight finishes, as every process does"
+                )
 
 
 class NoLog:

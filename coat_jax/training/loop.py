@@ -359,9 +359,14 @@ class GracefulStop:
         if self.compiling:
             self._say(f"received {name} while compiling the train step: stopping (no step has run)")
         else:
+            when = (
+                "every process has agreed to stop (at a step boundary, one step later than alone)"
+                if jax.process_count() > 1
+                else "the step in flight finishes"
+            )
             self._say(
-                f"received {name} after step {self._finished()}: saving a checkpoint once the "
-                "step in flight finishes, then stopping (send it again to abort without saving)"
+                f"received {name} after step {self._finished()}: saving a checkpoint once "
+                f"{when}, then stopping (send it again to abort without saving)"
             )
 
     def __exit__(self, *exc):
@@ -643,15 +648,19 @@ def _claim_for_new_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, 
     """Refuses an ``output_dir`` holding another run's files, or (``overwrite``) deletes them."""
     existing = checkpointer.steps()
     others = [name for name in _RUN_FILES if (out / name).exists()]
+    # Several processes: all have looked before any deletes, so all take the same branch.
+    distributed.sync("coat_jax output_dir listed")
     if (existing or others) and cfg.overwrite:
         say(
             f"overwrite=true: deleting the previous run's checkpoints {existing} and "
             f"{', '.join(others) or 'no other files'} in {out}"
         )
-        checkpointer.delete_all()
-        for name in others:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        checkpointer.delete_all()  # Orbax: the main process deletes, every process waits
+        if distributed.is_main_process():
+            for name in others:
+                path = out / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        distributed.sync("coat_jax output_dir overwritten")
     elif existing:
         raise ValueError(
             f"output_dir {str(out)!r} already holds checkpoints (steps {existing}); pass "
@@ -1044,15 +1053,19 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
         val_loss = validate()
         log.write({"step": 0, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
         say(f"step 0: validation loss {val_loss:.4f} (before training)")
+    # Several processes stop together: a signal becomes a decision of all at a step boundary.
+    agreement = distributed.StopAgreement(say)
     with GracefulStop(say, lambda: progress.finished) as stop:
         if step < last_step:
-            stop.compiling = True  # until the first step is dispatched (_first_step)
+            # Until the first step is dispatched (_first_step). Several processes compile it
+            # to the end: one that abandoned it would leave the others in its collectives.
+            stop.compiling = not agreement.several
             say(f"step {step + 1}: compiling the train step")
-        while step < last_step and stop.signum is None:
+        while step < last_step and agreement.stop(stop.signum) is None:
             batch = run.order.take(position, sequences_per_step)
             batch = batch.reshape(cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1)
             args = (params, opt_state, sharding.put_batch(batch, program.batch_sharding))
-            if step + 1 == progress.first_step:
+            if step + 1 == progress.first_step and not agreement.several:
                 outputs = _first_step(program.step_fn, args, stop)
                 if outputs is None:  # the state went to the abandoned step
                     params = opt_state = None
@@ -1084,7 +1097,8 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
         progress.finish()
         progress.flush()
         bar.close()
-        stopped_by = signal.Signals(stop.signum).name if stop.signum is not None else None
+        signum = agreement.final(stop.signum)
+        stopped_by = signal.Signals(signum).name if signum is not None else None
         if stopped_by and step == run.step:
             say(
                 f"stopped by {stopped_by} before the first step ran; nothing to save (the run "

@@ -68,11 +68,11 @@ from jax import lax
 
 from coat_jax import quant
 from coat_jax.fp8_wrapper import _field_name, _owner, find_fp8_states
-from coat_jax.optim import DEFAULT_GROUP_SIZE, _moments_of, find_coat_states
+from coat_jax.optim import DEFAULT_GROUP_SIZE, _moment_of, _moments_of, find_coat_states
 from coat_jax.training.config import TrainConfig
 from coat_jax.training.optimizers import make_optimizer
 from coat_jax.training.sharding import _is_stacked_layer
-from pallas_kernels.coat_adam import Moment, adam_moments_and_update, dequantize_moment
+from pallas_kernels.coat_adam import adam_moments_and_update
 
 DEFAULT_ROWS = 16
 DEFAULT_GROUPS = 8
@@ -148,24 +148,26 @@ class _Stored(NamedTuple):
 
     field: str
     param: int
-    moment: Moment  # ``scale is None``: ``codes`` is the float32 value itself
+    moment: quant.QuantizedTensor | jax.Array  # an array: the float32 moment itself
 
 
 def _sample(plan: SamplePlan | None, x):
     return x if plan is None else plan.values(x)
 
 
-def _sampled_value(stored: _Stored, plan: SamplePlan | None, group_size: int) -> jax.Array:
+def _sampled_value(stored: _Stored, plan: SamplePlan | None) -> jax.Array:
     """The sampled values ``stored`` stands for, dequantized, float32, shaped as
     :meth:`SamplePlan.values` gives them."""
     m = stored.moment
-    if m.scale is None:
-        return _sample(plan, m.codes).astype(jnp.float32)
-    sampled = Moment(
-        plan.values(m.codes),
-        *(None if s is None else plan.stats(s) for s in (m.scale, m.expand, m.center)),
+    if not isinstance(m, quant.QuantizedTensor):
+        return _sample(plan, m).astype(jnp.float32)
+    sampled = m.replace(
+        codes=plan.values(m.codes),
+        scale=plan.stats(m.scale),
+        expand=None if m.expand is None else plan.stats(m.expand),
+        center=None if m.center is None else plan.stats(m.center),
     )
-    return dequantize_moment(sampled, group_size)
+    return sampled.dequantize()
 
 
 def _rows(x, group_size: int) -> jax.Array:
@@ -192,16 +194,21 @@ def _sampled_rows(stored: list[_Stored], plans, group_size: int) -> tuple[jax.Ar
         parts = [p.stats(getattr(m, name)) for p, m in zip(leaf_plans, moments, strict=True)]
         return jnp.concatenate([x.reshape(-1, 1) for x in parts])
 
-    moment = Moment(jnp.concatenate(codes), stat("scale"), stat("expand"), stat("center"))
-    return dequantize_moment(moment, group_size), [c.shape[0] for c in codes]
+    moment = moments[0].replace(
+        codes=jnp.concatenate(codes),
+        scale=stat("scale"),
+        expand=stat("expand"),
+        center=stat("center"),
+    )
+    return moment.dequantize(), [c.shape[0] for c in codes]
 
 
-def _coat_stored(state, params) -> list[_Stored]:
+def _coat_stored(state, params, group_size: int) -> list[_Stored]:
     treedef = jax.tree.structure(params)
     return [
         _Stored(prefix, i, m)
         for prefix in ("mu", "nu")
-        for i, m in enumerate(_moments_of(state, treedef, prefix))
+        for i, m in enumerate(_moments_of(state, treedef, prefix, group_size))
     ]
 
 
@@ -209,7 +216,9 @@ def _unmasked(x):
     return None if isinstance(x, optax.MaskedNode) else x
 
 
-def _optax_stored(inner_state, scale, expand, center, params) -> list[tuple[int, _Stored]]:
+def _optax_stored(
+    inner_state, scale, expand, center, params, *, group_size: int
+) -> list[tuple[int, _Stored]]:
     """``(leaf position in inner_state, stored moment)`` for each parameter-shaped float leaf.
 
     ``scale``/``expand``/``center`` are an FP8State's statistics trees, or None (float32 state).
@@ -235,7 +244,8 @@ def _optax_stored(inner_state, scale, expand, center, params) -> list[tuple[int,
         if s is None and not (floating and leaf.shape == p.shape and leaf.ndim and leaf.size):
             continue
         field = _field_name(path[: len(path) - n]) or "state"
-        found.append((pos, _Stored(field, index, Moment(leaf, s, e, c))))
+        moment = leaf if s is None else _moment_of(leaf, s, e, c, group_size)
+        found.append((pos, _Stored(field, index, moment)))
     return found
 
 
@@ -356,7 +366,7 @@ class StateTelemetry:
             }
         # An optax optimizer's update takes its state tree: samples shaped like the tensors.
         return {
-            "old": [_sampled_value(s, plans[s.param], gs) for s in old],
+            "old": [_sampled_value(s, plans[s.param]) for s in old],
             "grads": grads,
             "params": [
                 _sample(p, x) for p, x in zip(plans, jax.tree.leaves(params32), strict=True)
@@ -366,12 +376,16 @@ class StateTelemetry:
     def _reader(self, opt_state, params):
         """``(kind, read)``: ``read(state)`` lists the stored moments of a state like ``opt_state``."""
         if find_coat_states(opt_state):
-            return "coat", lambda state: _coat_stored(_one(find_coat_states(state), "COAT"), params)
+            return "coat", lambda state: _coat_stored(
+                _one(find_coat_states(state), "COAT"), params, self.group_size
+            )
         if find_fp8_states(opt_state):
 
             def read_fp8(state):
                 _, s = _one(find_fp8_states(state), "fp8_state")
-                stored = _optax_stored(s.inner_state, s.scale, s.expand, s.center, params)
+                stored = _optax_stored(
+                    s.inner_state, s.scale, s.expand, s.center, params, group_size=self.group_size
+                )
                 return [leaf for _, leaf in stored]
 
             return "fp8_state", read_fp8
@@ -385,7 +399,10 @@ class StateTelemetry:
 
         def read_plain(state):
             inner_state = _nth_inner(state, structure, position)
-            return [leaf for _, leaf in _optax_stored(inner_state, None, None, None, params)]
+            stored = _optax_stored(
+                inner_state, None, None, None, params, group_size=self.group_size
+            )
+            return [leaf for _, leaf in stored]
 
         return "optax", read_plain
 
@@ -415,11 +432,12 @@ class StateTelemetry:
         if kind == "fp8_state":
             ((_, s),) = find_fp8_states(opt_state)
             inner_state = s.inner_state
-            positions = [pos for pos, _ in _optax_stored(*s, params)]
+            positions = [pos for pos, _ in _optax_stored(*s, params, group_size=gs)]
         else:
             structure = jax.tree.structure(jax.eval_shape(self.inner.init, params))
             _, inner_state = _find_inner(opt_state, structure)
-            positions = [pos for pos, _ in _optax_stored(inner_state, None, None, None, params)]
+            stored = _optax_stored(inner_state, None, None, None, params, group_size=gs)
+            positions = [pos for pos, _ in stored]
         leaves, treedef = jax.tree.flatten(inner_state)
         for pos, value in zip(positions, sample["old"], strict=True):
             leaves[pos] = value
@@ -460,7 +478,7 @@ def _by_field(stored: list[_Stored]) -> dict[str, list[int]]:
 def _fp8_fields(stored: list[_Stored]) -> dict[str, list[int]]:
     """Per field, its FP8 leaves (positions in ``stored``); a field may have none."""
     return {
-        f: [i for i in members if stored[i].moment.scale is not None]
+        f: [i for i in members if isinstance(stored[i].moment, quant.QuantizedTensor)]
         for f, members in _by_field(stored).items()
     }
 
@@ -484,7 +502,9 @@ def _count_metrics(stored: list[_Stored], expand_min) -> dict[str, jax.Array]:
     floor = 1.0 / jnp.asarray(expand_min, jnp.float32)
     metrics = {}
     for field, members in _by_field(stored).items():
-        quantized = [stored[i].moment for i in members if stored[i].moment.scale is not None]
+        quantized = [
+            stored[i].moment for i in members if isinstance(stored[i].moment, quant.QuantizedTensor)
+        ]
         values = sum(m.codes.size for m in quantized)
         # int32 is exact below 2**31; a sum that could pass it is counted in float32.
         dtype = jnp.int32 if values < 2**31 else jnp.float32

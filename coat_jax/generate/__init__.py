@@ -434,6 +434,3 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
-
-if __name__ == "__main__":
-    sys.exit(main())
