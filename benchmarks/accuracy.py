@@ -8,6 +8,7 @@ Each mode trains the same model on the same data in the same order (the trainer'
   bf16_coatopt  precision=bf16  optimizer=coat_adamw   FP8 optimizer states only
   coat          precision=coat  optimizer=coat_adamw   COAT: all of it
   coat_bf16m    precision=coat  optimizer=coat_adamw   master_dtype=bfloat16 (stochastic rounding)
+  coat_inbwd    precision=coat  optimizer=coat_adamw   optimizer_in_backward=true grad_clip=null
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
 or the non-linear ops. Validation text is held out by document (``val_documents``): it is never
@@ -49,6 +50,15 @@ MODES = {
     "bf16_coatopt": ["precision=bf16", "optimizer=coat_adamw"],
     "coat": ["precision=coat", "optimizer=coat_adamw"],
     "coat_bf16m": ["precision=coat", "optimizer=coat_adamw", "master_dtype=bfloat16"],
+    # The optimizer inside the backward pass, which cannot clip by the global norm: what changes
+    # against "coat" is the clipping (the step is otherwise the same, tests/test_layerwise.py).
+    "coat_inbwd": [
+        "precision=coat",
+        "optimizer=coat_adamw",
+        "scan_layers=true",
+        "optimizer_in_backward=true",
+        "grad_clip=null",
+    ],
 }
 MODE_TITLES = {
     "bf16": "BF16 + AdamW",
@@ -56,6 +66,7 @@ MODE_TITLES = {
     "bf16_coatopt": "BF16 + coat_adamw",
     "coat": "COAT + coat_adamw",
     "coat_bf16m": "COAT + coat_adamw, bfloat16 masters",
+    "coat_inbwd": "COAT + coat_adamw in the backward pass, no clipping",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.

@@ -354,6 +354,23 @@ def _causal_attention_bwd(pullback, dout):
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
+def check_input_ids(input_ids_BT) -> None:
+    """``ValueError`` unless ``input_ids`` are integer token ids of shape [batch, seq]."""
+    if input_ids_BT.ndim != 2 or not jnp.issubdtype(input_ids_BT.dtype, jnp.integer):
+        raise ValueError(
+            "input_ids must be int token ids of shape [batch, seq], got "
+            f"{input_ids_BT.dtype}{tuple(input_ids_BT.shape)}"
+        )
+
+
+def default_positions(input_ids_BT, positions_BT=None) -> jax.Array:
+    """``positions`` as given, or 0..T-1 for every row of ``input_ids`` [B, T]."""
+    if positions_BT is not None:
+        return positions_BT
+    b, t = input_ids_BT.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
 def _param(rngs: nnx.Rngs, shape, param_dtype, std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype))
 
@@ -593,19 +610,17 @@ class Llama(nnx.Module):
         self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None
     ) -> jax.Array:
         """The final normed hidden states [B, T, D] in the compute dtype (before the LM head)."""
-        if input_ids_BT.ndim != 2 or not jnp.issubdtype(input_ids_BT.dtype, jnp.integer):
-            raise ValueError(
-                "input_ids must be int token ids of shape [batch, seq], got "
-                f"{input_ids_BT.dtype}{tuple(input_ids_BT.shape)}"
-            )
-        b, t = input_ids_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        check_input_ids(input_ids_BT)
+        x_BTD = self.decoder(
+            self.embed(input_ids_BT), default_positions(input_ids_BT, positions_BT)
+        )
+        return self.norm(x_BTD, self.ops())
+
+    def embed(self, input_ids_BT: jax.Array) -> jax.Array:
+        """The token embeddings [B, T, D] in the compute dtype."""
         # Gather rows in the master dtype, then cast: casting the whole table first would
         # materialize a second [vocab, hidden] copy every step.
-        x_BTD = jnp.take(self.embed_tokens[...], input_ids_BT, axis=0).astype(self.dtype)
-        x_BTD = self.decoder(x_BTD, positions_BT)
-        return self.norm(x_BTD, self.ops())
+        return jnp.take(self.embed_tokens[...], input_ids_BT, axis=0).astype(self.dtype)
 
     def ops(self):
         """The op set of this model's precision (with FP8 attention if asked for)."""
@@ -615,19 +630,34 @@ class Llama(nnx.Module):
             ops = ops._replace(attention=lambda q, k, v: fp8_attention(q, k, v, True, config))
         return ops
 
+    def scanned_layer(self):
+        """``(layer, stacked)`` of a scanned model: one decoder layer as a function and the state.
+
+        ``layer(x_BTD, layer_state, positions_BT) -> x_BTD`` runs one layer (under the remat
+        policy) on one layer's slice of ``stacked`` (the ``nnx.State`` of the stacked layers,
+        leading axis ``num_hidden_layers``); :meth:`decoder` scans it. For code that drives the
+        layers itself (``coat_jax.training.layerwise``).
+        """
+        if not self.scan_layers:
+            raise ValueError("scanned_layer() needs a model built with scan_layers=True")
+        graphdef, stacked = nnx.split(self.layers)
+        layer = _layer_fn(
+            graphdef, self.remat, self.ops(), rope_inv_freq(self.config), in_scan=True
+        )
+        return layer, stacked
+
     def decoder(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
         """The decoder layers on embedded inputs [B, T, D] (scanned or not, under the remat)."""
-        ops = self.ops()
-        inv_freq = rope_inv_freq(self.config)
         if self.scan_layers:
-            graphdef, stacked = nnx.split(self.layers)
-            layer = _layer_fn(graphdef, self.remat, ops, inv_freq, in_scan=True)
+            layer, stacked = self.scanned_layer()
 
             def body(x_BTD, layer_state):
                 return layer(x_BTD, layer_state, positions_BT), None
 
             x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
             return x_BTD
+        ops = self.ops()
+        inv_freq = rope_inv_freq(self.config)
         for decoder_layer in self.layers:
             graphdef, layer_state = nnx.split(decoder_layer)
             layer = _layer_fn(graphdef, self.remat, ops, inv_freq, in_scan=False)
@@ -645,7 +675,10 @@ class Llama(nnx.Module):
 
     def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None):
         """Logits [B, T, V] in float32; `positions` default to 0..T-1 for every row."""
-        x_BTD = self.hidden_states(input_ids_BT, positions_BT)
+        return self.logits(self.hidden_states(input_ids_BT, positions_BT))
+
+    def logits(self, hidden_BTD: jax.Array) -> jax.Array:
+        """Float32 logits [B, T, V] of final hidden states (:meth:`hidden_states`)."""
         return jnp.einsum(
-            "btd,dv->btv", x_BTD, self.output_weight(), preferred_element_type=jnp.float32
+            "btd,dv->btv", hidden_BTD, self.output_weight(), preferred_element_type=jnp.float32
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import json
 import textwrap
@@ -11,13 +13,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 from coat_jax import coat_adamw, fp8_state, quant
 from coat_jax.optim import dequantized_moments
-from coat_jax.training import train
-from coat_jax.training.telemetry import SamplePlan, StateTelemetry, tensor_names
+from coat_jax.training import load_config, loop, train
+from coat_jax.training.optimizers import make_optimizer
+from coat_jax.training.telemetry import (
+    COMPUTED,
+    SamplePlan,
+    StateTelemetry,
+    logged_metrics,
+    state_telemetry,
+    tensor_names,
+)
 from tests.fake_devices import run_on_fake_devices
-from tests.test_train import tiny
+from tests.test_cli import _scalars
+from tests.test_train import tiny, tree_bytes
 
 B1, B2, CLIP = 0.9, 0.95, 0.5
 
@@ -53,21 +65,25 @@ STEPS = 3
 
 def run(tx, telemetries: dict):
     """``STEPS`` steps of ``tx`` in one jitted program, each observed by every telemetry in
-    ``telemetries``: the last step's metrics by telemetry name, the states around that step."""
+    ``telemetries``: per step the metrics by telemetry name, the states around the last step.
+    Every telemetry's updates and new state must be ``tx``'s, bit for bit."""
     params, grads = problem()
     state = tx.init(params)
 
     def step(g, s, p):
         results = {name: t.update(tx, g, s, p) for name, t in telemetries.items()}
-        updates, new_state, _ = next(iter(results.values()))
-        return updates, new_state, {name: r[2] for name, r in results.items()}
+        return tx.update(g, s, p), results
 
     step = jax.jit(step)
+    per_step = []
     for i in range(STEPS):
         before = state
-        updates, state, metrics = step(grads(i), state, params)
+        (updates, state), results = step(grads(i), state, params)
+        for name, (u, s, _) in results.items():
+            assert tree_bytes((u, s)) == tree_bytes((updates, state)), (name, i)
         params = optax.apply_updates(params, updates)
-    return jax.device_get(metrics), before, state
+        per_step.append(jax.device_get({name: r[2] for name, r in results.items()}))
+    return per_step, before, state
 
 
 def clipped(tx):
@@ -88,6 +104,8 @@ SETUPS = {
             # Replays that are not the optimizer's: b1, or the clipping, wrong.
             "wrong_b1": StateTelemetry(b1=0.8, b2=B2, grad_clip=CLIP),
             "no_clip": StateTelemetry(b1=B1, b2=B2),
+            # Computed at steps 1 (the first) and 2 (every 2nd), not at 3.
+            "sparse": StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, every=2),
         },
     ),
     # "w" keeps float32 moments; the others are stored as in "coat", step for step.
@@ -97,7 +115,14 @@ SETUPS = {
         ),
         {"default": COAT},
     ),
-    "fp8_state_adamw": (fp8_state(ADAMW), {"default": StateTelemetry(grad_clip=CLIP, inner=ADAMW)}),
+    "fp8_state_adamw": (
+        fp8_state(ADAMW),
+        {
+            "default": StateTelemetry(grad_clip=CLIP, inner=ADAMW),
+            # Computed at steps 1 (the first) and 3 (the last), not at 2.
+            "sparse": StateTelemetry(grad_clip=CLIP, inner=ADAMW, every=5, last_step=STEPS),
+        },
+    ),
     "adamw": (ADAMW, {"default": StateTelemetry(grad_clip=CLIP, inner=ADAMW)}),
 }
 
@@ -109,7 +134,7 @@ def observed(setup: str):
 
 
 def metrics_of(setup: str, telemetry: str = "default") -> dict:
-    return observed(setup)[0][telemetry]
+    return observed(setup)[0][-1][telemetry]
 
 
 def test_relative_error_is_small_for_fp8_state_and_zero_for_float32():
@@ -169,7 +194,8 @@ def full_relative_errors(before, g, after):
 
 
 def test_sampled_error_estimates_the_whole_tensors():
-    metrics, before, after = observed("coat")
+    per_step, before, after = observed("coat")
+    metrics = per_step[-1]
     full = full_relative_errors(before, problem()[1](STEPS - 1), after)
     for f in ("mu", "nu"):
         per_tensor, pooled = full[f]
@@ -271,29 +297,208 @@ def test_optimizer_state_it_cannot_read_is_a_clear_error():
         StateTelemetry(rows=0)
 
 
+# ----------------------------------------------------------------------------- when
+
+
+def assert_same_telemetry(got: dict, want: dict) -> None:
+    """The metrics of one step, computed in another program: counts exactly, errors to float32
+    rounding (a cond's branch fuses its sums differently)."""
+    got, want = ({k: v for k, v in logged_metrics(m).items() if "state/" in k} for m in (got, want))
+    assert sorted(got) == sorted(want) and want
+    for k, v in want.items():
+        if np.issubdtype(np.asarray(v).dtype, np.floating):
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, err_msg=k)
+        else:
+            assert got[k] == v, (k, got[k], v)
+
+
+@pytest.mark.parametrize(("setup", "expected"), [("coat", [1, 2]), ("fp8_state_adamw", [1, 3])])
+def test_sparse_telemetry_is_the_every_step_telemetry_where_computed(setup, expected):
+    per_step = observed(setup)[0]
+    computed = [step for step, m in enumerate(per_step, 1) if m["sparse"][COMPUTED]]
+    assert computed == expected
+    for step, metrics in enumerate(per_step, 1):
+        every, sparse = metrics["default"], metrics["sparse"]
+        assert every[COMPUTED]
+        if step in computed:
+            assert_same_telemetry(sparse, every)
+            continue
+        # Placeholders, which a record does not log.
+        state = {k: v for k, v in sparse.items() if k.startswith("state/") and k != COMPUTED}
+        assert sorted(state) == sorted(k for k in every if k != COMPUTED)
+        for k, v in state.items():
+            assert np.isnan(v) if np.issubdtype(v.dtype, np.floating) else v == -1, (k, v)
+        assert logged_metrics({"loss": 1.5, **sparse}) == {"loss": 1.5}
+
+
+def test_the_steps_the_trainer_logs_are_computed():
+    def logged(step, every, last):  # _Progress: the first step, multiples, the last
+        return step == 1 or step % every == 0 or step == last
+
+    for every, last, max_skipped in [(1, 30, 0), (4, 30, 0), (7, 30, 0), (5, 23, 2), (4, 30, 6)]:
+        t = StateTelemetry(every=every, last_step=last, max_skipped=max_skipped)
+        counts = range(1, last + 1)
+        computed = {c for c in counts if t.computes(c)}
+        if max_skipped == 0:
+            assert computed == {c for c in counts if logged(c, every, last)}
+        # After n skipped steps the trainer's step is the count + n.
+        for n in range(max_skipped + 1):
+            assert {c for c in counts if logged(c + n, every, last)} <= computed
+        # At most max_skipped + 1 steps of each `every`, besides the first and the last.
+        assert len(computed - {1}) <= (last // every + 1) * (max_skipped + 1)
+        # The traced predicate is the same.
+        traced = jax.jit(jax.vmap(t.computes))(jnp.arange(1, last + 1))
+        assert {c for c, on in zip(counts, np.asarray(traced), strict=True) if on} == computed
+
+
+def eqns_outside_conds(jaxpr) -> collections.Counter:
+    """(primitive, output shapes) of every equation, sub-jaxprs included but not conds'."""
+    out = collections.Counter()
+    for e in jaxpr.eqns:
+        out[e.primitive.name, tuple(tuple(v.aval.shape) for v in e.outvars)] += 1
+        if e.primitive.name != "cond":
+            for sub in jaxprs_in_params(e.params):
+                out += eqns_outside_conds(sub)
+    return out
+
+
+@pytest.mark.parametrize("setup", ["coat", "fp8_state_adamw"])
+def test_a_step_it_does_not_compute_reads_nothing(setup):
+    tx, telemetries = SETUPS[setup]
+    tx, telemetry = clipped(tx), telemetries["sparse"]
+    params, grads = problem()
+    state = tx.init(params)
+    plain = jax.make_jaxpr(tx.update)(grads(0), state, params).jaxpr
+    observed = jax.make_jaxpr(lambda g, s, p: telemetry.update(tx, g, s, p))(
+        grads(0), state, params
+    ).jaxpr
+    added = eqns_outside_conds(observed) - eqns_outside_conds(plain)
+    conds = [e for e in observed.eqns if e.primitive.name == "cond"]
+    # Outside the two conds (the sample before the update, the metrics after it) the telemetry
+    # adds the barrier and scalar arithmetic on the step count, nothing that reads a tensor.
+    assert len(conds) == 2 and sum(n for (name, _), n in added.items() if name == "cond") == 2
+    for (name, shapes), _ in added.items():
+        assert name in ("cond", "optimization_barrier") or shapes == ((),), (name, shapes)
+    for cond in conds:
+        skip, compute = cond.params["branches"]
+        # The branch of a step that is not computed only fills constants.
+        assert {e.primitive.name for e in skip.jaxpr.eqns} <= {"broadcast_in_dim"}
+        assert not any(v in skip.jaxpr.invars for e in skip.jaxpr.eqns for v in e.invars)
+        names = set(eqns_outside_conds(compute.jaxpr))
+        assert any(name.startswith(("reduce", "slice")) for name, _ in names)
+
+
+def test_every_trainer_optimizer_tells_the_step():
+    # The trainer's telemetry reads the step from the optimizer state: every optimizer (with
+    # the trainer's schedule, clipping, skipping and bfloat16 masters) has a count, and the
+    # conds give the metrics of the every-step telemetry, same keys, same dtypes.
+    params = {"embed_tokens": jnp.ones((8, 128)), "layers": [{"w": jnp.ones((128, 256))}]}
+    for optimizer, extra in [
+        ("coat_adamw", ["skip_nonfinite_steps=2"]),
+        *[(o, ["fp8_state=true"]) for o in ("adamw", "lion", "sgd", "adafactor", "muon")],
+        ("adamw", ["master_dtype=bfloat16"]),
+    ]:
+        cfg = load_config(None, [f"optimizer={optimizer}", "telemetry=true", *extra])
+        tx = make_optimizer(cfg, loop.make_schedule(cfg))
+        tx = tx if cfg.master_dtype == "float32" else loop.with_rounding_count(tx)
+        telemetry = state_telemetry(cfg, loop.make_schedule(cfg))
+        assert telemetry.every == cfg.log_every > 1
+        state = tx.init(params)
+        shapes = [
+            jax.eval_shape(functools.partial(t.update, tx), params, state, params)[2]
+            for t in (telemetry, dataclasses.replace(telemetry, every=1))
+        ]
+        assert shapes[0] == shapes[1] and len(shapes[0]) > 5, optimizer
+
+
+def test_when_it_cannot_tell_the_step_is_a_clear_error():
+    params = {"w": jnp.ones((2, 128))}
+    tx = optax.trace(0.9)  # no count in its state
+    telemetry = StateTelemetry(inner=tx, every=2)
+    with pytest.raises(ValueError, match="has none; use every=1"):
+        telemetry.update(tx, params, tx.init(params), params)
+    with pytest.raises(ValueError, match="every must be a positive int, got 0"):
+        StateTelemetry(every=0)
+    with pytest.raises(ValueError, match="max_skipped must be an int >= 0, got -1"):
+        StateTelemetry(max_skipped=-1)
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
-def test_a_train_run_logs_the_telemetry_and_trains_as_without(tmp_path, cache_dir):
-    records = {}
-    for on in (False, True):
-        out = tmp_path / f"telemetry_{on}"
-        flags = ["steps=3", "log_every=2", "model.num_hidden_layers=1", f"telemetry={on}".lower()]
-        train(tiny(out, cache_dir, *flags))
+LOG_EVERY, STEPS_RUN, STOP = 3, 7, 4
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory, cache_dir):
+    """metrics.jsonl's training records of ``STEPS_RUN`` steps logged every ``LOG_EVERY``: without
+    telemetry, with the every-step telemetry (the behaviour before the telemetry followed
+    log_every), and with the trainer's own, stopped at ``STOP`` and resumed (and TensorBoard's
+    scalars of that run)."""
+    root = tmp_path_factory.mktemp("telemetry_runs")
+    flags = [f"steps={STEPS_RUN}", f"log_every={LOG_EVERY}", "model.num_hidden_layers=1"]
+
+    def records(out):
         lines = (out / "metrics.jsonl").read_text().splitlines()
-        records[on] = [r for r in map(json.loads, lines) if "loss" in r]
-    off, on = records[False], records[True]
-    assert [r["step"] for r in on] == [1, 2, 3]
-    # The telemetry only observes: the same losses and gradient norms, bit for bit.
-    assert [(r["loss"], r["grad_norm"]) for r in on] == [(r["loss"], r["grad_norm"]) for r in off]
-    assert not any(k.startswith("state/") for k in off[-1])
-    last = on[-1]
+        return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+    train(tiny(root / "off", cache_dir, *flags, "telemetry=false"))
+    own = loop.state_telemetry
+    every_step = lambda cfg, schedule: dataclasses.replace(own(cfg, schedule), every=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "state_telemetry", every_step)
+        train(tiny(root / "every", cache_dir, *flags, "telemetry=true"))
+    split = [*flags, "telemetry=true", "tensorboard=true"]
+    train(tiny(root / "split", cache_dir, *split), stop_at=STOP)
+    train(tiny(root / "split", cache_dir, *split, "resume=true"))
+    runs = {name: records(root / name) for name in ("off", "every", "split")}
+    return runs, _scalars(root / "split" / "tensorboard")
+
+
+# The record steps of a run (_Progress): the first, multiples of log_every, the last; the split
+# run also writes its stop step and its first step after the resume.
+LOGGED = [1, 3, 6, 7]
+IRREGULAR = [STOP, STOP + 1]
+
+
+def test_a_train_run_logs_each_logged_steps_telemetry_and_trains_as_without(trainer_runs):
+    runs, scalars = trainer_runs
+    off, every, split = runs["off"], runs["every"], runs["split"]
+    assert list(off) == list(every) == LOGGED and list(split) == sorted(LOGGED + IRREGULAR)
+    # The telemetry only observes: the same losses and gradient norms, bit for bit (a record's
+    # loss is the mean over the steps since the previous record, and the split run's records
+    # at 4 and 5 make its step 6 the mean of step 6 alone).
+    assert [(r["loss"], r["grad_norm"]) for r in every.values()] == [
+        (r["loss"], r["grad_norm"]) for r in off.values()
+    ]
+    assert [split[s]["grad_norm"] for s in LOGGED] == [off[s]["grad_norm"] for s in LOGGED]
+    assert [split[s]["loss"] for s in (1, 3, 7)] == [off[s]["loss"] for s in (1, 3, 7)]
+    assert not any(k.startswith("state/") for r in off.values() for k in r)
+    # Each logged step holds its own telemetry: what the every-step telemetry gives there,
+    # before and after the resume at a step that is not a multiple of log_every.
+    for step in LOGGED:
+        assert_same_telemetry(split[step], every[step])
+        state = {k: v for k, v in logged_metrics(split[step]).items() if "state/" in k}
+        # TensorBoard shows what metrics.jsonl holds.
+        assert {k: dict(scalars[k])[step] for k in state} == pytest.approx(state, rel=1e-6)
+    last = split[STEPS_RUN]
     for f in ("mu", "nu"):
         assert 0 < last[f"state/{f}_rel_err"] <= last[f"state/{f}_rel_err_max"] < 0.05
         assert last[f"state/{f}_nonfinite"] == 0
         assert 0 < last[f"state/{f}_saturated"] <= 2 * last[f"state/{f}_groups"]
         assert 0 <= last[f"state/{f}_flushed"] < 0.01
         assert isinstance(last[f"state/{f}_worst_tensor"], int)
+
+
+def test_no_record_holds_the_placeholders_of_a_step_not_computed(trainer_runs):
+    runs, scalars = trainer_runs
+    # The stop step and the first step after the resume are not computed (their count does not
+    # say the trainer logs them): their records carry no telemetry, and TensorBoard none.
+    for step in IRREGULAR:
+        assert not any(k.startswith("state/") for k in runs["split"][step]), step
+    for key, values in scalars.items():
+        if key.startswith("state/"):
+            assert [s for s, _ in values] == LOGGED, key
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +519,6 @@ SHARDED = textwrap.dedent(
     params, grads = problem({"w": (256, 1024), "up": (2, 256, 512)})
     mesh = sharding.make_mesh(1, 4)
     tx = optax.chain(optax.clip_by_global_norm(CLIP), coat_adamw(1e-3, b1=B1, b2=B2))
-    telemetry = StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, rows=4, groups=2)
     p_sh = sharding.param_shardings(params, mesh)
     assert p_sh["w"].spec == jax.sharding.PartitionSpec(None, "fsdp"), p_sh
     s_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params, mesh)
@@ -333,28 +537,33 @@ SHARDED = textwrap.dedent(
                     largest = max(largest, int(np.prod([int(d) for d in dims.split(",") if d])))
         return largest
 
-    results = {}
-    for name, p_s, s_s in (("one", None, None), ("four", p_sh, s_sh)):
-        p = params if p_s is None else jax.device_put(params, p_s)
-        state = tx.init(p)
-        state = state if s_s is None else jax.device_put(state, s_s)
-        step = jax.jit(lambda g, s, p: telemetry.update(tx, g, s, p))
-        for i in range(2):
-            g = grads(i) if p_s is None else jax.device_put(grads(i), p_s)
-            _, state, metrics = step(g, state, p)
-        results[name] = jax.device_get(metrics)
-    one, four = results["one"], results["four"]
-    for k in one:
-        if "rel_err" in k:
-            assert abs(one[k] - four[k]) <= 1e-3 * abs(one[k]), (k, one[k], four[k])
-        else:
-            assert one[k] == four[k], (k, one[k], four[k])
-    # The telemetry moves sampled values between devices, never whole rows or shards: no
-    # collective carries more than the largest tensor's sample (2 layers x 4 rows x 2 groups).
-    plain = largest_collective(lambda g, s, p: tx.update(g, s, p), g, state, p)
-    observed = largest_collective(lambda g, s, p: telemetry.update(tx, g, s, p), g, state, p)
-    print("largest collective", plain, observed)
-    assert observed <= max(plain, 2 * 4 * 2 * 128)
+    # Every step, and in conds (computed at steps 1 and 2, the first and a multiple of 2).
+    for every in (1, 2):
+        telemetry = StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, rows=4, groups=2, every=every)
+        results = {}
+        for name, p_s, s_s in (("one", None, None), ("four", p_sh, s_sh)):
+            p = params if p_s is None else jax.device_put(params, p_s)
+            state = tx.init(p)
+            state = state if s_s is None else jax.device_put(state, s_s)
+            step = jax.jit(lambda g, s, p: telemetry.update(tx, g, s, p))
+            for i in range(2):
+                g = grads(i) if p_s is None else jax.device_put(grads(i), p_s)
+                _, state, metrics = step(g, state, p)
+            results[name] = jax.device_get(metrics)
+        one, four = results["one"], results["four"]
+        assert one["state/computed"] and four["state/computed"]
+        for k in one:
+            if "rel_err" in k:
+                assert abs(one[k] - four[k]) <= 1e-3 * abs(one[k]), (k, one[k], four[k])
+            else:
+                assert one[k] == four[k], (k, one[k], four[k])
+        # The telemetry moves sampled values between devices, never whole rows or shards: no
+        # collective carries more than the largest tensor's sample (2 layers x 4 rows x 2
+        # groups).
+        plain = largest_collective(lambda g, s, p: tx.update(g, s, p), g, state, p)
+        observed = largest_collective(lambda g, s, p: telemetry.update(tx, g, s, p), g, state, p)
+        print("every", every, "largest collective", plain, observed)
+        assert observed <= max(plain, 2 * 4 * 2 * 128)
     print("OK")
     """
 )

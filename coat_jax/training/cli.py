@@ -92,6 +92,8 @@ DESCRIPTIONS = {
     "tensorboard": "write metrics.jsonl's records to <output_dir>/tensorboard too (needs tensorboardX)",
     "fused_apply": "coat_adamw's kernel applies the update in its own pass (false: optax's "
     "update, then apply_updates)",
+    "optimizer_in_backward": "update each layer inside the backward pass: never holds the whole "
+    "gradient (needs scan_layers, grad_clip=null; docs/memory_options.md)",
     "telemetry": "log the FP8 optimizer state's error, saturation, clip counts (docs/telemetry.md)",
     "sample_prompt": "prompt of the short sample printed at the end of a run (null: no sample)",
     "sample_tokens": "tokens the end-of-run sample generates",

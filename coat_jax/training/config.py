@@ -87,6 +87,12 @@ class TrainConfig:
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
       ``update`` then ``apply_updates``. Same state, same results to float32 rounding; ignored
       with ``telemetry``, ``master_dtype: bfloat16`` and ``skip_nonfinite_steps``.
+    - ``optimizer_in_backward``: update each decoder layer inside the backward pass, as soon as
+      its gradient exists, so that the step never holds the whole gradient
+      (``coat_jax.training.layerwise``; docs/memory_options.md). Needs ``scan_layers: true``
+      and what works without the whole gradient first: ``grad_clip: null``,
+      ``grad_accum: 1``, ``skip_nonfinite_steps: 0``, ``telemetry: false``. Its checkpoints
+      hold the optimizer state per layer and resume only with it on.
     - ``loss_chunk_size``: compute the cross-entropy in blocks of this many positions
       (``coat_jax.losses.cross_entropy_from_hidden``) instead of materialising the
       ``[batch, seq, vocab]`` float32 logits; ``null``: the plain loss.
@@ -103,8 +109,9 @@ class TrainConfig:
       other than the embedding only.
     - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
-    - ``telemetry``: add the optimizer state's quantization telemetry to every metrics record
-      (``coat_jax.training.telemetry``, docs/telemetry.md).
+    - ``telemetry``: add the optimizer state's quantization telemetry to the metrics records
+      written every ``log_every`` steps (and at the first and last step), computed on those
+      steps only (``coat_jax.training.telemetry``, docs/telemetry.md).
     """
 
     # Run.
@@ -127,6 +134,7 @@ class TrainConfig:
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
     fused_apply: bool = True
+    optimizer_in_backward: bool = False
     # Data.
     data_path: str = "data/public_domain_en.tar.xz"
     tokenizer: str = "byte"
@@ -240,6 +248,8 @@ class TrainConfig:
                 f"skip_nonfinite_steps must be >= 0 (0: stop at the first), got "
                 f"{self.skip_nonfinite_steps}"
             )
+        if self.optimizer_in_backward:
+            _check_in_backward(self)
         # With init_from the architecture, max_position_embeddings included, is the
         # checkpoint's; the trainer checks it once it has read it.
         if self.init_from is None and self.seq_len > self.model.max_position_embeddings:
@@ -252,6 +262,26 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.seq_len
+
+
+def _check_in_backward(cfg: TrainConfig) -> None:
+    """What ``optimizer_in_backward`` cannot do: anything that needs the whole gradient first."""
+    needs = {
+        "scan_layers": (not cfg.scan_layers, "scan_layers=true (the layers' backward is a scan)"),
+        "grad_clip": (
+            cfg.grad_clip is not None,
+            "grad_clip=null (global-norm clipping needs every gradient before any update)",
+        ),
+        "grad_accum": (cfg.grad_accum != 1, "grad_accum=1 (each layer is updated once per step)"),
+        "skip_nonfinite_steps": (
+            cfg.skip_nonfinite_steps != 0,
+            "skip_nonfinite_steps=0 (a layer is updated before the rest of the gradient exists)",
+        ),
+        "telemetry": (cfg.telemetry, "telemetry=false (it reads the whole gradient)"),
+    }
+    bad = [fix for wrong, fix in needs.values() if wrong]
+    if bad:
+        raise ValueError("optimizer_in_backward=true needs " + "; ".join(bad))
 
 
 def _check_positive(cfg, *names):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -37,7 +38,7 @@ from coat_jax.llama import Llama, LlamaConfig, relayout
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.master import apply_updates_stochastic, float32_optimizer
 from coat_jax.optim import apply_gradients
-from coat_jax.training import distributed, sharding
+from coat_jax.training import distributed, layerwise, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
 from coat_jax.training.data import (
@@ -61,7 +62,7 @@ from coat_jax.training.optimizers import (  # noqa: F401 - weight_decay_mask: pu
     weight_decay_mask,
 )
 from coat_jax.training.rundir import RunDirectory
-from coat_jax.training.telemetry import StateTelemetry, state_telemetry
+from coat_jax.training.telemetry import StateTelemetry, logged_metrics, state_telemetry
 from pallas_kernels.sharding import KernelMesh
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -223,10 +224,14 @@ def next_token_loss(model_def: ModelDef, params, tokens_BT1) -> jax.Array:
     """
     inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     model = model_def.bind(params)
+    return loss_from_hidden(model_def, model, model.hidden_states(inputs_BT), labels_BT)
+
+
+def loss_from_hidden(model_def: ModelDef, model: Llama, hidden_BTD, labels_BT) -> jax.Array:
+    """Mean cross-entropy of the final hidden states against ``labels`` (the model's head)."""
     if model_def.loss_chunk_size is None:
-        logits_BTV = model(inputs_BT)
+        logits_BTV = model.logits(hidden_BTD)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT).mean()
-    hidden_BTD = model.hidden_states(inputs_BT)
     return cross_entropy_from_hidden(
         hidden_BTD, model.output_weight(cast=False), labels_BT, chunk_size=model_def.loss_chunk_size
     )
@@ -456,24 +461,38 @@ def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainP
     model_def = model_def_for(llama_cfg, cfg, kernel_mesh)
     schedule = make_schedule(cfg)
     tx = make_optimizer(cfg, schedule, mesh=kernel_mesh)
-    if cfg.master_dtype != "float32":
-        tx = with_rounding_count(tx)
     abstract_params = model_def.abstract_params
     param_sh = sharding.param_shardings(abstract_params, mesh)
-    opt_sh = sharding.state_shardings(
-        jax.eval_shape(tx.init, abstract_params), abstract_params, mesh
-    )
-    # Train batches are [microbatches, batch, T + 1]; validation batches [batch, T + 1].
-    batch_sh = sharding.batch_sharding(mesh, batch_axis=1, rank=3)
-    eval_batch_sh = sharding.batch_sharding(mesh, batch_axis=0, rank=2)
-    step_fn = jax.jit(
-        make_train_step(
+    if cfg.optimizer_in_backward:
+        inner = tx if cfg.master_dtype == "float32" else float32_optimizer(tx)
+        tx = layerwise.layerwise_optimizer(inner)
+        opt_sh = layerwise.state_shardings(inner, abstract_params, mesh)
+        train_step = layerwise.make_train_step(
+            model_def,
+            inner,
+            functools.partial(loss_from_hidden, model_def),
+            seed=cfg.seed,
+            fused_apply=cfg.fused_apply,
+            low_precision=cfg.master_dtype != "float32",
+        )
+    else:
+        if cfg.master_dtype != "float32":
+            tx = with_rounding_count(tx)
+        opt_sh = sharding.state_shardings(
+            jax.eval_shape(tx.init, abstract_params), abstract_params, mesh
+        )
+        train_step = make_train_step(
             model_def,
             tx,
             seed=cfg.seed,
             telemetry=state_telemetry(cfg, schedule),
             fused_apply=cfg.fused_apply,
-        ),
+        )
+    # Train batches are [microbatches, batch, T + 1]; validation batches [batch, T + 1].
+    batch_sh = sharding.batch_sharding(mesh, batch_axis=1, rank=3)
+    eval_batch_sh = sharding.batch_sharding(mesh, batch_axis=0, rank=2)
+    step_fn = jax.jit(
+        train_step,
         in_shardings=(param_sh, opt_sh, batch_sh),
         out_shardings=(param_sh, opt_sh, None),
         donate_argnums=(0, 1),
@@ -530,6 +549,8 @@ def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
         "tokenizer": tokenizer.identity,
         # Recorded only when not the default, so that checkpoints from before the option resume.
         **({"master_dtype": cfg.master_dtype} if cfg.master_dtype != "float32" else {}),
+        # The per-layer state layout (coat_jax.training.layerwise) is not the plain one.
+        **({"optimizer_in_backward": True} if cfg.optimizer_in_backward else {}),
         # Held-out documents change the training text, so a resume must keep them.
         **({"val_documents": cfg.val_documents} if cfg.val_documents else {}),
     }
@@ -1181,10 +1202,10 @@ def _log_record(pending, step, schedule, tokens_since, timer) -> dict:
         "tokens_per_sec": tokens_since / elapsed if tokens_since else None,
         "host_peak_rss_bytes": host_peak_rss_bytes(),
     }
-    # Any other scalar metric of the step (the telemetry's): its value at the record's step.
-    record.update(
-        {k: v.item() for k, v in values[-1].items() if k not in record and np.ndim(v) == 0}
-    )
+    # Any other scalar metric of the step (the telemetry's): its value at the record's step,
+    # where that step computed it (logged_metrics drops a placeholder-filled telemetry).
+    last = logged_metrics(values[-1])
+    record.update({k: v.item() for k, v in last.items() if k not in record and np.ndim(v) == 0})
     peak = device_peak_bytes()
     if peak is not None:
         record["peak_memory_bytes"] = peak

@@ -1,9 +1,13 @@
 """Per-step telemetry of the optimizer state: how faithfully FP8 codes hold the moments.
 
 With ``telemetry: true`` the train step adds scalars to its metrics, which reach
-``metrics.jsonl`` (and TensorBoard) with every record (docs/telemetry.md). For each moment of
-the optimizer state, named by its state field ``F`` (``mu`` and ``nu`` for AdamW and COAT
-AdamW, ``mu`` for Lion and Muon, ``trace`` for SGD):
+``metrics.jsonl`` (and TensorBoard) with the records of the steps they are computed at
+(docs/telemetry.md): the steps the trainer logs on schedule, the first, every ``log_every``-th
+and the last (:meth:`StateTelemetry.computes`). On the other steps a ``lax.cond`` skips them and
+the metrics are placeholders, NaN or -1 with ``state/computed`` false, which
+:func:`logged_metrics` drops from a record. For each moment of the optimizer state, named by
+its state field ``F`` (``mu`` and ``nu`` for AdamW and COAT AdamW, ``mu`` for Lion and Muon,
+``trace`` for SGD):
 
 ==========================  ======================================================================
 ``state/F_rel_err``         mean of ``|dequantized - m| / |m|`` over the non-zero values of a
@@ -18,6 +22,7 @@ AdamW, ``mu`` for Lion and Muon, ``trace`` for SGD):
 ``state/F_k_floor``         groups whose DRE exponent sits at its lower clip ``1 / expand_min``
 ``state/F_k_cap``           groups whose DRE exponent sits at its upper clip ``quant.MAX_EXPAND``
 ``state/F_groups``          quantization groups in all (a constant: the scale of the counts)
+``state/computed``          whether this step computed the others (:data:`COMPUTED`)
 ==========================  ======================================================================
 
 The error is per value, not norm-wise: Adam's update ``m / sqrt(v)`` is per element, so a small
@@ -55,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -76,6 +82,9 @@ from pallas_kernels.coat_adam import adam_moments_and_update
 
 DEFAULT_ROWS = 16
 DEFAULT_GROUPS = 8
+# The metric that says whether a step computed the telemetry (the other ``state/`` metrics of a
+# step that did not are placeholders; :func:`logged_metrics` drops them).
+COMPUTED = "state/computed"
 # Optimizers whose state update is not element-wise, so a sample cannot replay it.
 NOT_REPLAYABLE = frozenset({"adafactor"})
 
@@ -279,6 +288,9 @@ class StateTelemetry:
       replay: False for optimizers whose moment update is not element-wise (only the counts).
       group_size, expand_min: the optimizer's quantization settings.
       rows, groups: the sample's size per tensor (:class:`SamplePlan`).
+      every, last_step, max_skipped: on which steps the telemetry is computed
+        (:meth:`computes`); on the others the step's metrics hold placeholders
+        (:data:`COMPUTED` false). ``every=1``: every step.
     """
 
     b1: float = 0.9
@@ -290,20 +302,69 @@ class StateTelemetry:
     expand_min: float = 16
     rows: int = DEFAULT_ROWS
     groups: int = DEFAULT_GROUPS
+    every: int = 1
+    last_step: int | None = None
+    max_skipped: int = 0
 
     def __post_init__(self):
         quant.check_group_size(self.group_size)
-        for name in ("rows", "groups"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"telemetry {name} must be a positive int, got {value!r}")
+        for name, least in (("rows", 1), ("groups", 1), ("every", 1), ("max_skipped", 0)):
+            _check_int(name, getattr(self, name), least)
+        if self.last_step is not None:
+            _check_int("last_step", self.last_step, 1)
+
+    def computes(self, step):
+        """Whether the telemetry is computed at ``step``: the optimizer state's step count before
+        this step's update plus one (1-based, the trainer's step number when no step was
+        skipped).
+
+        The steps the trainer logs on schedule: the first, every multiple of ``every`` and
+        ``last_step``. A step skipped for a non-finite gradient (``skip_nonfinite_steps``)
+        leaves the count where it was, so after ``n`` skips the trainer's step is ``step + n``:
+        with up to ``max_skipped`` skips, the telemetry is computed wherever ``step + n`` is
+        logged for some ``n`` in ``[0, max_skipped]``.
+
+        Works on Python and NumPy ints and on traced ones.
+
+        Example:
+          >>> t = StateTelemetry(every=10, last_step=25)
+          >>> [s for s in range(1, 26) if t.computes(s)]
+          [1, 10, 20, 25]
+          >>> [s for s in range(1, 26) if StateTelemetry(every=10, max_skipped=1).computes(s)]
+          [1, 9, 10, 19, 20]
+        """
+        if self.every == 1:
+            return jnp.ones_like(step, bool)
+        # Steps to the next multiple of `every` (0 at one); % takes the divisor's sign.
+        due = ((-step) % self.every <= self.max_skipped) | (step == 1)
+        if self.last_step is not None:
+            due = due | ((step <= self.last_step) & (self.last_step - step <= self.max_skipped))
+        return due
 
     def update(self, tx: optax.GradientTransformation, grads, opt_state, params):
         """``tx.update(grads, opt_state, params)`` plus the telemetry's metrics.
 
+        With ``every > 1`` the telemetry is two ``lax.cond`` on :meth:`computes` of the state's
+        step count (the sample of the old state before the update, the counts and errors
+        after it): on a step it does not compute, the metrics are placeholders (NaN for the
+        float metrics, -1 for the integer ones, :data:`COMPUTED` false) and nothing of the
+        state or the gradient is read. The updates and the new state are ``tx``'s either way.
+
         Returns:
           ``(updates, new_opt_state, metrics)``, ``metrics`` a dict of scalars.
         """
+        if self.every == 1:
+            computed = jnp.asarray(True)
+            when = lambda compute: compute()
+        else:
+            computed = jnp.asarray(self.computes(_step_count(opt_state) + 1))
+            when = lambda compute: lax.cond(computed, compute, _placeholder(compute))
+        updates, new_state, metrics = self._update(tx, grads, opt_state, params, when)
+        return updates, new_state, {**metrics, COMPUTED: computed}
+
+    def _update(self, tx, grads, opt_state, params, when):
+        """:meth:`update`, with ``when(compute)`` the value of ``compute()`` if the telemetry is
+        computed at this step (and a placeholder of the same structure if not)."""
         gs = self.group_size
         params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -322,7 +383,7 @@ class StateTelemetry:
         fields = _fp8_fields(old)
         sample = {}
         if self.replay and any(fields.values()):
-            sample = self._sample(kind, old, fields, plans, grads32, params32)
+            sample = when(lambda: self._sample(kind, old, fields, plans, grads32, params32))
         if sample:
             # The old state and the gradient are sampled before the update: the optimizer
             # overwrites the state in place (donated buffers, the Pallas kernel's aliasing),
@@ -330,16 +391,20 @@ class StateTelemetry:
             grads, sample = lax.optimization_barrier((grads, sample))
         updates, new_state = tx.update(grads, opt_state, params)
         new = read(new_state)
-        metrics = _count_metrics(new, self.expand_min)
-        if self.replay:
-            stored = {
-                f: _sampled_rows([new[i] for i in members], plans, gs)
-                for f, members in fields.items()
-                if members
-            }
-            exact = self._replay(kind, opt_state, params, old, fields, sample) if stored else {}
-            metrics.update(_error_metrics(new, fields, exact, stored, plans))
-        return updates, new_state, dict(sorted(metrics.items()))
+
+        def measure():
+            metrics = _count_metrics(new, self.expand_min)
+            if self.replay:
+                stored = {
+                    f: _sampled_rows([new[i] for i in members], plans, gs)
+                    for f, members in fields.items()
+                    if members
+                }
+                exact = self._replay(kind, opt_state, params, old, fields, sample) if stored else {}
+                metrics.update(_error_metrics(new, fields, exact, stored, plans))
+            return dict(sorted(metrics.items()))
+
+        return updates, new_state, when(measure)
 
     def _sample(self, kind, old, fields, plans, grads32, params32) -> dict:
         """What the replay needs of the old state and the (clipped) gradient, sampled."""
@@ -460,6 +525,62 @@ class StateTelemetry:
             for f, members in fields.items()
             if members
         }
+
+
+def _check_int(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        what = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ValueError(f"telemetry {name} must be {what}, got {value!r}")
+
+
+def _step_count(opt_state) -> jax.Array:
+    """The optimizer state's step count: the largest ``count`` field (optax's and COAT's
+    states, the schedule's, a bfloat16 master's rounding count, which also counts skipped
+    steps). They agree but for that one."""
+    counts = [
+        leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+        if path
+        and isinstance(path[-1], jax.tree_util.GetAttrKey)
+        and path[-1].name == "count"
+        and jnp.ndim(leaf) == 0
+        and jnp.issubdtype(leaf.dtype, jnp.integer)
+    ]
+    if not counts:
+        raise ValueError(
+            "telemetry every > 1 reads the step from the optimizer state's count, and this "
+            "state has none; use every=1 (the telemetry at every step)"
+        )
+    return functools.reduce(jnp.maximum, [c.astype(jnp.int32) for c in counts])
+
+
+def _placeholder(compute):
+    """A function of no arguments returning what ``compute()`` returns in structure, dtype
+    and shape, filled with NaN (floats) or -1 (integers: no count is negative), and computing
+    nothing."""
+
+    def fill(x):
+        return jnp.full(x.shape, jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else -1, x.dtype)
+
+    shapes = jax.eval_shape(compute)
+    return lambda: jax.tree.map(fill, shapes)
+
+
+def logged_metrics(metrics: dict) -> dict:
+    """A train step's ``metrics`` as a record may log them: without :data:`COMPUTED`, and
+    without the telemetry's ``state/`` keys where that step did not compute them (its
+    placeholders). Other keys and other steps' metrics are returned as they are.
+
+    Example:
+      >>> logged_metrics({"loss": 2.5, "state/mu_rel_err": float("nan"), COMPUTED: False})
+      {'loss': 2.5}
+    """
+    if COMPUTED not in metrics:
+        return metrics
+    keep = bool(metrics[COMPUTED])
+    return {
+        k: v for k, v in metrics.items() if k != COMPUTED and (keep or not k.startswith("state/"))
+    }
 
 
 def _one(found: list, what: str):
@@ -604,11 +725,13 @@ def state_telemetry(cfg: TrainConfig, schedule) -> StateTelemetry | None:
     """The telemetry of ``cfg``'s optimizer (``None`` when ``cfg.telemetry`` is off)."""
     if not cfg.telemetry:
         return None
+    # Computed on the steps the trainer logs on schedule (StateTelemetry.computes).
+    when = dict(every=cfg.log_every, last_step=cfg.steps, max_skipped=cfg.skip_nonfinite_steps)
     if cfg.optimizer == "coat_adamw":
-        return StateTelemetry(b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip)
+        return StateTelemetry(b1=cfg.b1, b2=cfg.b2, grad_clip=cfg.grad_clip, **when)
     inner = make_optimizer(dataclasses.replace(cfg, fp8_state=False, grad_clip=None), schedule)
     return StateTelemetry(
-        grad_clip=cfg.grad_clip, inner=inner, replay=cfg.optimizer not in NOT_REPLAYABLE
+        grad_clip=cfg.grad_clip, inner=inner, replay=cfg.optimizer not in NOT_REPLAYABLE, **when
     )
 
 
@@ -689,7 +812,10 @@ class _BenchRun:
             "rounds_s": self.wall,
             "compile_s": self.compile_s,
             "temp_bytes": self.temp_bytes,
-            "metrics": {k: np.asarray(v).item() for k, v in jax.device_get(self.metrics).items()},
+            "metrics": {
+                k: np.asarray(v).item()
+                for k, v in logged_metrics(jax.device_get(self.metrics)).items()
+            },
         }
 
 
