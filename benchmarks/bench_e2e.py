@@ -464,9 +464,11 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
             f"Measured {env['date']} on {env['device']} with JAX {env['jax']}, by `{command}`.",
             f"Sequence length {env['seq']}. Every number comes from `train.py`'s own step: "
             f"`{config}` loaded by `coat_jax.training.load_config`, the step built "
-            "by `coat_jax.training.loop.build_program` (forward, backward, gradient clipping, "
+            "by `coat_jax.training.loop.build_program` (forward, backward, the config's gradient "
+            "clipping unless a setting sets `grad_clip=null`, "
             "optimizer with the config's schedule; parameters and optimizer state donated; "
-            "float32 master weights; bfloat16 activations), each setting in its own process. "
+            "float32 master weights unless a setting sets `master_dtype=bfloat16`; bfloat16 "
+            "activations), each setting in its own process. "
             "A setting is precision:layer layout:remat policy (`scan_layers`, `remat`).",
             "",
         ]
