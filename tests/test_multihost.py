@@ -166,16 +166,24 @@ def _start(
     )
 
 
+def _kill_survivors(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _logs(tmp_path: Path) -> dict[str, str]:
+    return {p.name: p.read_text()[-3000:] for p in tmp_path.glob("*.log")}
+
+
 def _wait(procs: dict[str, subprocess.Popen], tmp_path: Path, timeout: float) -> None:
     try:
         for proc in procs.values():
             proc.wait(timeout=timeout)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    logs = {p.name: p.read_text()[-3000:] for p in tmp_path.glob("*.log")}
+        _kill_survivors(procs)
+    logs = _logs(tmp_path)
     failed = {name: proc.returncode for name, proc in procs.items() if proc.returncode}
     assert not failed, (failed, logs)
 
@@ -275,11 +283,8 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(tmp_path
         alive = [name for name, p in procs.items() if p.poll() is None]
         pytest.fail(f"{alive} still running 90 s after SIGTERM to process 1 (a hang)")
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    logs = {p.name: p.read_text()[-3000:] for p in tmp_path.glob("*.log")}
+        _kill_survivors(procs)
+    logs = _logs(tmp_path)
     codes = {name: p.returncode for name, p in procs.items()}
     assert codes == {"process 0": 128 + signal.SIGTERM, "process 1": 128 + signal.SIGTERM}, logs
     own = (out / "processes" / "1" / "train.log").read_text()

@@ -121,10 +121,7 @@ def state_shardings(tx: optax.GradientTransformation, abstract_params, mesh: Mes
 
 
 def _sum_squares(tree) -> jax.Array:
-    return sum(
-        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)),
-        jnp.zeros([], jnp.float32),
-    )
+    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree), squared=True)
 
 
 def _at(tree, i):
