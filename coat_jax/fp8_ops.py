@@ -119,6 +119,13 @@ class FP8Config:
         E4M3 codes and scale forward computed (1 byte per weight, tagged :data:`WEIGHT`, alive
         until backward), so backward quantizes no weight. Both give bit-identical results: the
         same codes feed the same GEMMs. docs/memory_options.md, "FP8 weight codes".
+      group_scale: how the 1xG scales of the non-linear ops' saved inputs (and of FP8
+        attention's q, k, v) are stored. ``"float32"`` (default, COAT): exact scales, 4 bytes
+        per 16 values. ``"e8m0"``: each scale rounded up to a power of two and stored as its
+        8-bit exponent (OCP MX's E8M0), 1 byte per 16 values: about 0.94U less per Llama
+        layer kept for backward (docs/memory_options.md, "One-byte group scales"). The codes
+        then differ: each value's relative FP8 rounding is unchanged, a group's largest value
+        lands in (fmax / 2, fmax] rather than at fmax.
     """
 
     act_format: str = "e4m3"
@@ -130,6 +137,7 @@ class FP8Config:
     gemm_dequant: str = "float32"
     mesh: KernelMesh | None = None
     weight_residual: str = "master"
+    group_scale: str = "float32"
 
     def __post_init__(self):
         if self.gemm_dequant not in GEMM_DEQUANT:
@@ -141,6 +149,11 @@ class FP8Config:
                 f"weight_residual={self.weight_residual!r} is not one of "
                 f"{list(WEIGHT_RESIDUALS)}: 'master' re-quantizes the master weight in backward, "
                 "'fp8' keeps forward's FP8 weight codes for it"
+            )
+        if self.group_scale not in quant.SCALE_FORMATS:
+            raise ValueError(
+                f"group_scale={self.group_scale!r} is not one of {list(quant.SCALE_FORMATS)}: "
+                "'float32' keeps exact 1xG scales, 'e8m0' power-of-two scales in one byte"
             )
         quant.fp8_format(self.act_format)
         quant.fp8_format(self.grad_format)
@@ -163,7 +176,12 @@ class FP8Config:
 
     def quantize_kwargs(self) -> dict:
         """:meth:`kernel_kwargs` plus how forward quantizes activations (format, 1xG groups)."""
-        return dict(fmt=self.act_format, group_size=self.group_size, **self.kernel_kwargs())
+        return dict(
+            fmt=self.act_format,
+            group_size=self.group_size,
+            scale_format=self.group_scale,
+            **self.kernel_kwargs(),
+        )
 
 
 DEFAULT_CONFIG = FP8Config()

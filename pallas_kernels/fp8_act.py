@@ -1,7 +1,8 @@
 """Non-linear ops of COAT's precision flow fused with their 1xG FP8 quantization, fwd and bwd.
 
 Each op computes its forward output from the exact (BF16) input in float32 and, in the same pass,
-writes the FP8 E4M3 codes and float32 1xG scales of the input(s) that its backward needs, as one
+writes the FP8 E4M3 codes and 1xG scales (float32, or one-byte powers of two with
+``scale_format="e8m0"``) of the input(s) that its backward needs, as one
 :class:`pallas_kernels.quant.QuantizedTensor` per input; the backward takes those quantized
 tensors instead of a BF16 copy (docs/design.md, 'The precision flow'):
 
@@ -97,13 +98,19 @@ def _kernel_groups(op: str, *saved: QuantizedTensor) -> int:
 # references
 
 
-def rmsnorm_fwd_reference(x, w, eps: float, *, group_size: int = 16, fmt: str = "e4m3"):
+def _absmax(x, group_size, fmt, scale_format):
+    return quant.quantize_absmax(x, group_size=group_size, fmt=fmt, scale_format=scale_format)
+
+
+def rmsnorm_fwd_reference(
+    x, w, eps: float, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
+):
     """``(y, x_q, rstd)``: ``y`` in ``x.dtype``, ``x_q`` the 1xG quantized ``x``, ``rstd [..., 1]``
     float32."""
     x32 = x.astype(jnp.float32)
     rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     y = w.astype(x.dtype) * (x32 * rstd).astype(x.dtype)
-    return y, quant.quantize_absmax(x, group_size=group_size, fmt=fmt), rstd
+    return y, _absmax(x, group_size, fmt, scale_format), rstd
 
 
 def rmsnorm_bwd_reference(dy, x_q: QuantizedTensor, rstd, w):
@@ -123,11 +130,13 @@ def silu32(x32):
     return x32 / (1.0 + jnp.exp(-x32))
 
 
-def silu_fwd_reference(x, *, group_size: int = 16, fmt: str = "e4m3"):
+def silu_fwd_reference(
+    x, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
+):
     """``(y, x_q)``: ``y = silu(x)`` in float32 math, output in ``x.dtype``; ``x_q`` the 1xG
     quantized ``x``."""
     y = silu32(x.astype(jnp.float32)).astype(x.dtype)
-    return y, quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
+    return y, _absmax(x, group_size, fmt, scale_format)
 
 
 def silu_grad(x32):
@@ -140,14 +149,16 @@ def silu_bwd_reference(dy, x_q: QuantizedTensor):
     return (dy.astype(jnp.float32) * silu_grad(x)).astype(dy.dtype)
 
 
-def swiglu_fwd_reference(gate, up, *, group_size: int = 16, fmt: str = "e4m3"):
+def swiglu_fwd_reference(
+    gate, up, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
+):
     """``(y, gate_q, up_q)``, ``y = silu(gate) * up``, with both inputs 1xG quantized."""
     g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
     y = (silu32(g32) * u32).astype(jnp.result_type(gate, up))
     return (
         y,
-        quant.quantize_absmax(gate, group_size=group_size, fmt=fmt),
-        quant.quantize_absmax(up, group_size=group_size, fmt=fmt),
+        _absmax(gate, group_size, fmt, scale_format),
+        _absmax(up, group_size, fmt, scale_format),
     )
 
 
@@ -162,13 +173,15 @@ def swiglu_bwd_reference(dy, gate_q: QuantizedTensor, up_q: QuantizedTensor):
     return dg.astype(dy.dtype), du.astype(dy.dtype)
 
 
-def mul_fwd_reference(a, b, *, group_size: int = 16, fmt: str = "e4m3"):
+def mul_fwd_reference(
+    a, b, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
+):
     """``(y, a_q, b_q)`` with ``y = a * b`` in the inputs' dtype, both inputs 1xG quantized."""
     y = (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(jnp.result_type(a, b))
     return (
         y,
-        quant.quantize_absmax(a, group_size=group_size, fmt=fmt),
-        quant.quantize_absmax(b, group_size=group_size, fmt=fmt),
+        _absmax(a, group_size, fmt, scale_format),
+        _absmax(b, group_size, fmt, scale_format),
     )
 
 
@@ -183,19 +196,19 @@ def mul_bwd_reference(dy, a_q: QuantizedTensor, b_q: QuantizedTensor):
 # Pallas kernels (tiles of [rows, groups, G]; see the module docstring)
 
 
-def _rmsnorm_fwd_kernel(x_ref, w_ref, y_ref, q_ref, s_ref, r_ref, *, eps, fmt):
+def _rmsnorm_fwd_kernel(x_ref, w_ref, y_ref, q_ref, s_ref, r_ref, *, eps, fmt, scale_format):
     x = x_ref[...].astype(jnp.float32)
     d = x.shape[-2] * x.shape[-1]
     rstd = jax.lax.rsqrt(jnp.sum(jnp.sum(x * x, axis=-1), axis=-1) / d + eps)
     normed = (x * rstd[:, None, None]).astype(y_ref.dtype)
     y_ref[...] = w_ref[...].astype(y_ref.dtype)[None] * normed
-    q_ref[...], s_ref[...] = group_quantize_tile(x, fmt)
+    q_ref[...], s_ref[...] = group_quantize_tile(x, fmt, scale_format)
     r_ref[...] = rstd
 
 
 def _rmsnorm_bwd_kernel(dy_ref, q_ref, s_ref, r_ref, w_ref, dx_ref, dw_ref):
     rstd = r_ref[...][:, None, None]
-    n = q_ref[...].astype(jnp.float32) * s_ref[...][..., None] * rstd
+    n = q_ref[...].astype(jnp.float32) * quant.decode_scale(s_ref[...])[..., None] * rstd
     dy = dy_ref[...].astype(jnp.float32)
     n_rounded = n.astype(dy_ref.dtype).astype(jnp.float32)
     dw_ref[...] = jnp.sum(dy * n_rounded, axis=0)[None]
@@ -205,44 +218,44 @@ def _rmsnorm_bwd_kernel(dy_ref, q_ref, s_ref, r_ref, w_ref, dx_ref, dw_ref):
     dx_ref[...] = (rstd * (dn - n * c[:, None, None])).astype(dx_ref.dtype)
 
 
-def _silu_fwd_kernel(x_ref, y_ref, q_ref, s_ref, *, fmt):
+def _silu_fwd_kernel(x_ref, y_ref, q_ref, s_ref, *, fmt, scale_format):
     x = x_ref[...].astype(jnp.float32)
     y_ref[...] = silu32(x).astype(y_ref.dtype)
-    q_ref[...], s_ref[...] = group_quantize_tile(x, fmt)
+    q_ref[...], s_ref[...] = group_quantize_tile(x, fmt, scale_format)
 
 
 def _silu_bwd_kernel(dy_ref, q_ref, s_ref, dx_ref):
-    x = q_ref[...].astype(jnp.float32) * s_ref[...][..., None]
+    x = q_ref[...].astype(jnp.float32) * quant.decode_scale(s_ref[...])[..., None]
     dx_ref[...] = (dy_ref[...].astype(jnp.float32) * silu_grad(x)).astype(dx_ref.dtype)
 
 
-def _mul_fwd_kernel(a_ref, b_ref, y_ref, qa_ref, sa_ref, qb_ref, sb_ref, *, fmt):
+def _mul_fwd_kernel(a_ref, b_ref, y_ref, qa_ref, sa_ref, qb_ref, sb_ref, *, fmt, scale_format):
     a = a_ref[...].astype(jnp.float32)
     b = b_ref[...].astype(jnp.float32)
     y_ref[...] = (a * b).astype(y_ref.dtype)
-    qa_ref[...], sa_ref[...] = group_quantize_tile(a, fmt)
-    qb_ref[...], sb_ref[...] = group_quantize_tile(b, fmt)
+    qa_ref[...], sa_ref[...] = group_quantize_tile(a, fmt, scale_format)
+    qb_ref[...], sb_ref[...] = group_quantize_tile(b, fmt, scale_format)
 
 
 def _mul_bwd_kernel(dy_ref, qa_ref, sa_ref, qb_ref, sb_ref, da_ref, db_ref):
     dy = dy_ref[...].astype(jnp.float32)
-    a = qa_ref[...].astype(jnp.float32) * sa_ref[...][..., None]
-    b = qb_ref[...].astype(jnp.float32) * sb_ref[...][..., None]
+    a = qa_ref[...].astype(jnp.float32) * quant.decode_scale(sa_ref[...])[..., None]
+    b = qb_ref[...].astype(jnp.float32) * quant.decode_scale(sb_ref[...])[..., None]
     da_ref[...] = (dy * b).astype(da_ref.dtype)
     db_ref[...] = (dy * a).astype(db_ref.dtype)
 
 
-def _swiglu_fwd_kernel(g_ref, u_ref, y_ref, qg_ref, sg_ref, qu_ref, su_ref, *, fmt):
+def _swiglu_fwd_kernel(g_ref, u_ref, y_ref, qg_ref, sg_ref, qu_ref, su_ref, *, fmt, scale_format):
     g = g_ref[...].astype(jnp.float32)
     u = u_ref[...].astype(jnp.float32)
     y_ref[...] = (silu32(g) * u).astype(y_ref.dtype)
-    qg_ref[...], sg_ref[...] = group_quantize_tile(g, fmt)
-    qu_ref[...], su_ref[...] = group_quantize_tile(u, fmt)
+    qg_ref[...], sg_ref[...] = group_quantize_tile(g, fmt, scale_format)
+    qu_ref[...], su_ref[...] = group_quantize_tile(u, fmt, scale_format)
 
 
 def _swiglu_bwd_kernel(dy_ref, qg_ref, sg_ref, qu_ref, su_ref, dg_ref, du_ref):
-    g = qg_ref[...].astype(jnp.float32) * sg_ref[...][..., None]
-    u = qu_ref[...].astype(jnp.float32) * su_ref[...][..., None]
+    g = qg_ref[...].astype(jnp.float32) * quant.decode_scale(sg_ref[...])[..., None]
+    u = qu_ref[...].astype(jnp.float32) * quant.decode_scale(su_ref[...])[..., None]
     dg, du = swiglu_grads(dy_ref[...].astype(jnp.float32), g, u)
     dg_ref[...] = dg.astype(dg_ref.dtype)
     du_ref[...] = du.astype(du_ref.dtype)
@@ -301,7 +314,15 @@ def _row_specs(bm, g, group_size):
 
 @over_batch("br", "bbb")
 def rmsnorm_fwd_pallas(
-    x, w, eps, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False
+    x,
+    w,
+    eps,
+    *,
+    group_size=16,
+    fmt="e4m3",
+    scale_format="float32",
+    tiles=DEFAULT_TILES,
+    interpret=False,
 ):
     _check_supported("rmsnorm", x.shape, group_size)
     require_gpu(interpret)
@@ -310,14 +331,14 @@ def rmsnorm_fwd_pallas(
     bm = pow2_divisor(m, tiles.norm_block_rows)
     full, scales, rows, weight = _row_specs(bm, g, group_size)
     y, codes, scale, rstd = pl.pallas_call(
-        functools.partial(_rmsnorm_fwd_kernel, eps=float(eps), fmt=fmt),
+        functools.partial(_rmsnorm_fwd_kernel, eps=float(eps), fmt=fmt, scale_format=scale_format),
         grid=(m // bm,),
         in_specs=[full, weight],
         out_specs=[full, full, scales, rows],
         out_shape=[
             jax.ShapeDtypeStruct(x3.shape, x.dtype),
             jax.ShapeDtypeStruct(x3.shape, quant.FORMATS[fmt]),
-            jax.ShapeDtypeStruct((m, g), jnp.float32),
+            jax.ShapeDtypeStruct((m, g), quant.SCALE_DTYPES[scale_format]),
             jax.ShapeDtypeStruct((m,), jnp.float32),
         ],
         compiler_params=tiles.norm_compiler_params(),
@@ -361,15 +382,26 @@ def rmsnorm_bwd_pallas(dy, x_q, rstd, w, *, tiles=DEFAULT_TILES, interpret=False
     return dx.reshape(dy.shape), dw.astype(w.dtype)
 
 
-def _fwd_call(kernel, name, inputs, out_dtype, group_size, fmt, tiles, interpret):
+def _fwd_call(
+    kernel,
+    name,
+    inputs,
+    out_dtype,
+    *,
+    group_size=16,
+    fmt="e4m3",
+    scale_format="float32",
+    tiles=DEFAULT_TILES,
+    interpret=False,
+):
     """``_elementwise_call`` of a forward kernel that writes ``y`` and the 1xG codes and scales
     of each input: ``(y, *quantized inputs)``."""
-    fp8 = quant.FORMATS[fmt]
+    fp8, scale_dtype = quant.FORMATS[fmt], quant.SCALE_DTYPES[scale_format]
     y, *saved = _elementwise_call(
-        functools.partial(kernel, fmt=fmt),
+        functools.partial(kernel, fmt=fmt, scale_format=scale_format),
         name,
         [("x", x) for x in inputs],
-        [("x", out_dtype)] + [("x", fp8), ("s", jnp.float32)] * len(inputs),
+        [("x", out_dtype)] + [("x", fp8), ("s", scale_dtype)] * len(inputs),
         group_size,
         tiles,
         interpret,
@@ -391,10 +423,9 @@ def _bwd_call(kernel, name, dy, saved, n_out, tiles, interpret):
 
 
 @over_batch("b", "bb")
-def silu_fwd_pallas(x, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
-    return _fwd_call(
-        _silu_fwd_kernel, "fp8_silu_fwd", [x], x.dtype, group_size, fmt, tiles, interpret
-    )
+def silu_fwd_pallas(x, **quantize):
+    """Keywords: ``_fwd_call``'s (group_size, fmt, scale_format, tiles, interpret)."""
+    return _fwd_call(_silu_fwd_kernel, "fp8_silu_fwd", [x], x.dtype, **quantize)
 
 
 @over_batch("bb", "b")
@@ -404,26 +435,14 @@ def silu_bwd_pallas(dy, x_q, *, tiles=DEFAULT_TILES, interpret=False):
 
 
 @over_batch("bb", "bbb")
-def mul_fwd_pallas(a, b, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
-    out_dtype = jnp.result_type(a, b)
-    return _fwd_call(
-        _mul_fwd_kernel, "fp8_mul_fwd", [a, b], out_dtype, group_size, fmt, tiles, interpret
-    )
+def mul_fwd_pallas(a, b, **quantize):
+    return _fwd_call(_mul_fwd_kernel, "fp8_mul_fwd", [a, b], jnp.result_type(a, b), **quantize)
 
 
 @over_batch("bb", "bbb")
-def swiglu_fwd_pallas(gate, up, *, group_size=16, fmt="e4m3", tiles=DEFAULT_TILES, interpret=False):
+def swiglu_fwd_pallas(gate, up, **quantize):
     out_dtype = jnp.result_type(gate, up)
-    return _fwd_call(
-        _swiglu_fwd_kernel,
-        "fp8_swiglu_fwd",
-        [gate, up],
-        out_dtype,
-        group_size,
-        fmt,
-        tiles,
-        interpret,
-    )
+    return _fwd_call(_swiglu_fwd_kernel, "fp8_swiglu_fwd", [gate, up], out_dtype, **quantize)
 
 
 @over_batch("bbb", "bb")
@@ -455,6 +474,7 @@ def rmsnorm_fwd(
     *,
     group_size=16,
     fmt="e4m3",
+    scale_format="float32",
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
@@ -462,15 +482,15 @@ def rmsnorm_fwd(
 ):
     """Fused RMSNorm forward + 1xG quantization of ``x``: ``(y, x_q, rstd [..., 1])``."""
     quant.fp8_format(fmt)
+    quant.check_scale_format(scale_format)
+    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
     return _run(
         "rmsnorm_fwd",
         implementation,
         interpret,
         mesh,
-        lambda: rmsnorm_fwd_pallas(
-            x, w, eps, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        lambda: rmsnorm_fwd_reference(x, w, eps, group_size=group_size, fmt=fmt),
+        lambda: rmsnorm_fwd_pallas(x, w, eps, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: rmsnorm_fwd_reference(x, w, eps, **kw),
     )
 
 
@@ -502,6 +522,7 @@ def silu_fwd(
     *,
     group_size=16,
     fmt="e4m3",
+    scale_format="float32",
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
@@ -509,15 +530,15 @@ def silu_fwd(
 ):
     """Fused SiLU forward + 1xG quantization of ``x``: ``(y, x_q)``."""
     quant.fp8_format(fmt)
+    quant.check_scale_format(scale_format)
+    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
     return _run(
         "silu_fwd",
         implementation,
         interpret,
         mesh,
-        lambda: silu_fwd_pallas(
-            x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        lambda: silu_fwd_reference(x, group_size=group_size, fmt=fmt),
+        lambda: silu_fwd_pallas(x, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: silu_fwd_reference(x, **kw),
     )
 
 
@@ -548,6 +569,7 @@ def mul_fwd(
     *,
     group_size=16,
     fmt="e4m3",
+    scale_format="float32",
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
@@ -555,15 +577,15 @@ def mul_fwd(
 ):
     """Fused product + 1xG quantization of both inputs: ``(y, a_q, b_q)``."""
     quant.fp8_format(fmt)
+    quant.check_scale_format(scale_format)
+    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
     return _run(
         "mul_fwd",
         implementation,
         interpret,
         mesh,
-        lambda: mul_fwd_pallas(
-            a, b, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        lambda: mul_fwd_reference(a, b, group_size=group_size, fmt=fmt),
+        lambda: mul_fwd_pallas(a, b, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: mul_fwd_reference(a, b, **kw),
     )
 
 
@@ -595,6 +617,7 @@ def swiglu_fwd(
     *,
     group_size=16,
     fmt="e4m3",
+    scale_format="float32",
     implementation="auto",
     interpret=False,
     tiles=DEFAULT_TILES,
@@ -603,15 +626,15 @@ def swiglu_fwd(
     """Fused ``silu(gate) * up`` + 1xG quantization of both inputs: ``(y, gate_q, up_q)`` (the
     SiLU is recomputed in backward)."""
     quant.fp8_format(fmt)
+    quant.check_scale_format(scale_format)
+    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
     return _run(
         "swiglu_fwd",
         implementation,
         interpret,
         mesh,
-        lambda: swiglu_fwd_pallas(
-            gate, up, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        lambda: swiglu_fwd_reference(gate, up, group_size=group_size, fmt=fmt),
+        lambda: swiglu_fwd_pallas(gate, up, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
+        lambda: swiglu_fwd_reference(gate, up, **kw),
     )
 
 

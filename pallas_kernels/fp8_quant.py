@@ -107,22 +107,24 @@ def per_group(codes: jax.Array, scale: jax.Array, *, fmt: str, group_size: int) 
 
 
 def quantize_per_group_reference(
-    x: jax.Array, *, group_size: int = 16, fmt: str = "e4m3"
+    x: jax.Array, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
 ) -> QuantizedTensor:
-    """Plain-jnp 1xG absmax quantization: codes ``[..., D]``, scales ``[..., D / G]`` float32."""
-    return quant.quantize_absmax(x, group_size=group_size, fmt=fmt)
+    """Plain-jnp 1xG absmax quantization: codes ``[..., D]``, scales ``[..., D / G]`` (float32,
+    or E8M0 bytes with ``scale_format="e8m0"``)."""
+    return quant.quantize_absmax(x, group_size=group_size, fmt=fmt, scale_format=scale_format)
 
 
-def group_quantize_tile(x, fmt: str):
-    """Kernel-side 1xG quantization of a ``[rows, groups, G]`` float32 tile."""
+def group_quantize_tile(x, fmt: str, scale_format: str = "float32"):
+    """Kernel-side 1xG quantization of a ``[rows, groups, G]`` float32 tile: the codes and the
+    scales in their stored form (``quant.encode_scale``)."""
     fmax = quant.FP8_MAX[fmt]
-    scale = (jnp.max(jnp.abs(x), axis=-1) + quant.ABSMAX_TINY) / fmax
+    scale = quant.absmax_scale(jnp.max(jnp.abs(x), axis=-1), fmax, scale_format)
     codes = jnp.clip(x / scale[..., None], -fmax, fmax).astype(quant.FORMATS[fmt])
-    return codes, scale
+    return codes, quant.encode_scale(scale, scale_format)
 
 
-def _per_group_kernel(x_ref, q_ref, s_ref, *, fmt):
-    codes, scale = group_quantize_tile(x_ref[...].astype(jnp.float32), fmt)
+def _per_group_kernel(x_ref, q_ref, s_ref, *, fmt, scale_format):
+    codes, scale = group_quantize_tile(x_ref[...].astype(jnp.float32), fmt, scale_format)
     q_ref[...] = codes
     s_ref[...] = scale
 
@@ -133,6 +135,7 @@ def quantize_per_group_pallas(
     *,
     group_size: int = 16,
     fmt: str = "e4m3",
+    scale_format: str = "float32",
     tiles: TileConfig = DEFAULT_TILES,
     interpret: bool = False,
 ):
@@ -146,7 +149,7 @@ def quantize_per_group_pallas(
     m, g, gs = x3.shape
     bm, bg = tiles_for(m, g, tiles)
     codes, scale = pl.pallas_call(
-        functools.partial(_per_group_kernel, fmt=fmt),
+        functools.partial(_per_group_kernel, fmt=fmt, scale_format=scale_format),
         grid=(m // bm, g // bg),
         in_specs=[pl.BlockSpec((bm, bg, gs), lambda i, j: (i, j, 0))],
         out_specs=[
@@ -155,7 +158,7 @@ def quantize_per_group_pallas(
         ],
         out_shape=[
             jax.ShapeDtypeStruct(x3.shape, quant.FORMATS[fmt]),
-            jax.ShapeDtypeStruct((m, g), jnp.float32),
+            jax.ShapeDtypeStruct((m, g), quant.SCALE_DTYPES[scale_format]),
         ],
         compiler_params=tiles.compiler_params(),
         interpret=interpret,
@@ -171,13 +174,16 @@ def quantize_per_group(
     *,
     group_size: int = 16,
     fmt: str = "e4m3",
+    scale_format: str = "float32",
     implementation: str = "auto",
     interpret: bool = False,
     tiles: TileConfig = DEFAULT_TILES,
     mesh: KernelMesh | None = None,
 ) -> QuantizedTensor:
-    """1xG absmax quantization along the last axis: codes and float32 scales ``[..., D / G]``.
+    """1xG absmax quantization along the last axis: codes and scales ``[..., D / G]``.
 
+    ``scale_format``: ``"float32"`` scales (COAT), or ``"e8m0"``: each scale rounded up to a
+    power of two and stored in one byte (``pallas_kernels.quant.absmax_scale``).
     ``mesh``: the :class:`KernelMesh` ``x`` is sharded over (batch-split leading axis), or
     ``None`` for one device.
 
@@ -186,15 +192,17 @@ def quantize_per_group(
         >>> q.codes.dtype, q.scale.shape, q.group_size
         (dtype(float8_e4m3fn), (4, 2), 16)
     """
+    quant.check_scale_format(scale_format)
+    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
     return dispatch(
         "quantize_per_group",
         implementation,
         interpret=interpret,
         mesh=mesh,
         pallas=lambda: quantize_per_group_pallas(
-            x, group_size=group_size, fmt=fmt, tiles=tiles, interpret=interpret, mesh=mesh
+            x, **kw, tiles=tiles, interpret=interpret, mesh=mesh
         ),
-        xla=lambda: quantize_per_group_reference(x, group_size=group_size, fmt=fmt),
+        xla=lambda: quantize_per_group_reference(x, **kw),
     )[1]
 
 

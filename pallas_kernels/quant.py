@@ -130,7 +130,9 @@ class QuantizedTensor:
 
     Attributes:
       codes: the values in the FP8 format ``fmt``, the tensor's own shape.
-      scale: float32. ``granularity="tensor"``: a scalar. ``"group"``: one per group of
+      scale: float32 (or, for 1xG absmax scales made with ``scale_format="e8m0"``, uint8: a
+        power of two stored as its exponent, :func:`decode_scale`). ``granularity="tensor"``:
+        a scalar. ``"group"``: one per group of
         ``group_size`` consecutive values along the last axis, shape
         ``codes.shape[:-1] + (ceil(n / group_size),)`` (the tensor's rank, so the tensor's
         sharding fits it); a short last group is zero-padded (docs/design.md, 'Groups of 128').
@@ -206,7 +208,7 @@ class QuantizedTensor:
         """The float32 tensor the codes stand for: :func:`dequantize_dre`,
         :func:`dequantize_absmax`, or ``codes * scale`` for one scale per tensor."""
         if self.granularity == "tensor":
-            return self.codes.astype(jnp.float32) * self.scale.astype(jnp.float32)
+            return self.codes.astype(jnp.float32) * decode_scale(self.scale)
         if self.expansion:
             return dequantize_dre(
                 self.codes, self.scale, self.expand, self.center, group_size=self.group_size
@@ -244,21 +246,111 @@ def named(tree, name: str):
     return jax.tree.map(lambda x: checkpoint_name(x, name), tree)
 
 
-def quantize_absmax(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3") -> QuantizedTensor:
-    """Per-group absmax quantization: ``s = (max|x| + 1e-20) / fmax``, ``q = fp8(x / s)``."""
+def quantize_absmax(
+    x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", scale_format: str = "float32"
+) -> QuantizedTensor:
+    """Per-group absmax quantization: ``s = (max|x| + 1e-20) / fmax``, ``q = fp8(x / s)``.
+
+    ``scale_format="e8m0"`` takes the smallest power of two ``s`` with ``max|x| + 1e-20 <=
+    fmax * s`` (:func:`absmax_scale`) and stores it in one byte (:func:`encode_scale`).
+    """
     fmax = FP8_MAX[fp8_format(fmt)]
     x_g = to_groups(x.astype(jnp.float32), group_size)
-    scale = (jnp.max(jnp.abs(x_g), axis=-1) + ABSMAX_TINY) / fmax
+    scale = absmax_scale(jnp.max(jnp.abs(x_g), axis=-1), fmax, scale_format)
     codes = cast_to_fp8(x_g / scale[..., None], fmt)
     return QuantizedTensor(
-        from_groups(codes, x.shape[-1]), scale, fmt=fmt, granularity="group", group_size=group_size
+        from_groups(codes, x.shape[-1]),
+        encode_scale(scale, scale_format),
+        fmt=fmt,
+        granularity="group",
+        group_size=group_size,
     )
 
 
 def dequantize_absmax(codes: jax.Array, scale: jax.Array, *, group_size: int = 128) -> jax.Array:
-    """Inverse of :func:`quantize_absmax`, in float32."""
+    """Inverse of :func:`quantize_absmax`, in float32 (``scale`` float32 or E8M0 bytes)."""
     q_g = to_groups(codes.astype(jnp.float32), group_size)
-    return from_groups(q_g * scale[..., None], codes.shape[-1])
+    return from_groups(q_g * decode_scale(scale)[..., None], codes.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# per-group scales in one byte (OCP MX's E8M0: a power of two, stored as its biased exponent)
+
+# How 1xG absmax scales are stored: "float32" (COAT), or "e8m0": the scale rounded up to a
+# power of two and kept as the 8 exponent bits of that float32 (1 byte instead of 4). With a
+# power-of-two scale x / s only shifts exponents, so a value's FP8 rounding error relative to
+# itself is the same as with the exact scale; what changes is that a group's largest |x| / s
+# lands in (fmax / 2, fmax] instead of at fmax, so values under the FP8 format's smallest normal
+# (2^-6 of fmax for E4M3 at the exact scale) can lose up to one more bit.
+SCALE_FORMATS = ("float32", "e8m0")
+SCALE_DTYPES = {"float32": jnp.dtype(jnp.float32), "e8m0": jnp.dtype(jnp.uint8)}
+_MANTISSA = 0x007FFFFF
+_EXPONENT = 0xFF800000  # sign and exponent bits
+_NAN_BITS = 0x7FC00000
+
+
+def check_scale_format(scale_format: str) -> str:
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(
+            f"unknown scale format {scale_format!r}; valid formats are {list(SCALE_FORMATS)} "
+            "('float32': exact scales, 'e8m0': power-of-two scales in one byte)"
+        )
+    return scale_format
+
+
+def round_scale(scale: jax.Array, scale_format: str) -> jax.Array:
+    """``scale`` (positive float32) as ``scale_format`` represents it: itself for "float32",
+    the smallest power of two >= it for "e8m0" (so every ``|x| / scale`` stays <= fmax).
+
+    Integer bit arithmetic (the exponent goes up by one unless the mantissa is zero), so the
+    Pallas kernels and this reference round identically; a NaN stays NaN.
+    """
+    if check_scale_format(scale_format) == "float32":
+        return scale
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.uint32)
+    up = (bits + jnp.uint32(_MANTISSA)) & jnp.uint32(_EXPONENT)
+    rounded = jax.lax.bitcast_convert_type(up, jnp.float32)
+    return jnp.where(scale != scale, scale, rounded)
+
+
+def absmax_scale(amax: jax.Array, fmax: float, scale_format: str) -> jax.Array:
+    """The 1xG absmax scale of groups whose largest magnitude is ``amax`` (float32).
+
+    "float32": ``(amax + 1e-20) / fmax``. "e8m0": the smallest power of two ``r`` with
+    ``amax + 1e-20 <= fmax * r``. :func:`round_scale` of the quotient gives it up to the
+    quotient's own rounding: where ``amax`` is ``fmax`` times a power of two (about 1 group in
+    130 of BF16 data) a division one ulp high (a GPU's approximate divide) would double ``r``.
+    Two exact comparisons (``fmax * r`` is exact: 448 and 57344 have 3 and 1 significant bits)
+    settle it, so the Pallas kernels and this reference agree whatever their division does.
+    """
+    peak = amax + ABSMAX_TINY
+    scale = peak / fmax
+    if check_scale_format(scale_format) == "float32":
+        return scale
+    r = round_scale(scale, scale_format)
+    r = jnp.where(peak <= fmax * (r * 0.5), r * 0.5, r)
+    return jnp.where(peak > fmax * r, r * 2.0, r)
+
+
+def encode_scale(scale: jax.Array, scale_format: str) -> jax.Array:
+    """The stored form of a :func:`round_scale` result: float32, or the uint8 biased exponent."""
+    if check_scale_format(scale_format) == "float32":
+        return scale
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.uint32)
+    return (bits >> jnp.uint32(23)).astype(jnp.uint8)  # the sign bit is 0: scales are > 0
+
+
+def decode_scale(stored: jax.Array) -> jax.Array:
+    """float32 scales from their stored form (float32 as is; uint8 E8M0, 255 = NaN).
+
+    Byte 0 decodes to 0.0, not OCP's 2^-127: no scale here is that small (the 1e-20 floor of
+    :func:`absmax_scale` keeps every scale above 2^-76).
+    """
+    if stored.dtype != jnp.uint8:
+        return stored.astype(jnp.float32)
+    e = stored.astype(jnp.uint32)
+    bits = jnp.where(e == jnp.uint32(255), jnp.uint32(_NAN_BITS), e << jnp.uint32(23))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def dre_statistics(x_g: jax.Array, *, fmt: str, expand_min) -> tuple[jax.Array, ...]:

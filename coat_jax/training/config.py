@@ -75,6 +75,9 @@ class TrainConfig:
     - ``fp8_weight_residual``: what the FP8 linears keep of their weights for backward
       (``FP8Config.weight_residual``): ``master`` re-quantizes the master weight in backward,
       ``fp8`` keeps forward's E4M3 codes (1 byte per weight; docs/memory_options.md).
+    - ``fp8_group_scale``: how the 1xG scales of the FP8 activations kept for backward are
+      stored (``FP8Config.group_scale``): ``float32`` (COAT) or ``e8m0`` (power-of-two scales
+      in one byte; precision ``coat``, or ``fp8`` with ``fp8_attention``; docs/memory_options.md).
     - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
       and their gradients; the optimizer still computes in float32 and each update is applied
       with stochastic rounding (``coat_jax.master``). An option, not a default: see
@@ -130,6 +133,7 @@ class TrainConfig:
     remat: RematName = "none"
     fp8_attention: bool = False
     fp8_weight_residual: Literal["master", "fp8"] = "master"
+    fp8_group_scale: Literal["float32", "e8m0"] = "float32"
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
@@ -224,6 +228,15 @@ class TrainConfig:
             raise ValueError(
                 f"fp8_weight_residual={self.fp8_weight_residual} needs precision fp8 or coat "
                 "(precision bf16 has no FP8 weights); set fp8_weight_residual=master"
+            )
+        if self.fp8_group_scale != "float32" and not (
+            self.precision == "coat" or (self.precision == "fp8" and self.fp8_attention)
+        ):
+            raise ValueError(
+                f"fp8_group_scale={self.fp8_group_scale} changes the 1x16 scales of FP8 "
+                f"activations, and precision={self.precision} with fp8_attention="
+                f"{str(self.fp8_attention).lower()} keeps none; use precision=coat (or fp8 "
+                "with fp8_attention=true), or set fp8_group_scale=float32"
             )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")

@@ -115,6 +115,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
     abstract.fp8_config = dataclasses.replace(
         abstract.fp8_config,
         weight_residual=cfg.fp8_weight_residual,
+        group_scale=cfg.fp8_group_scale,
         **kernel_options(cfg),
         **placement,
     )
@@ -918,7 +919,11 @@ class _Progress:
         self.skipped = skipped
         self.in_flight: collections.deque = collections.deque()
         self.window: list[dict] = []  # finished, not skipped, steps since the last record
+        # Throughput: tokens of the steps seen done since the window's start (``clock``), over
+        # the time from that start to the last of them (``seen``). None: the window starts at
+        # the next step seen done.
         self.clock: float | None = None
+        self.seen: float | None = None
         self.tokens = 0
         self.started = time.perf_counter()
 
@@ -929,12 +934,32 @@ class _Progress:
         """Finishes the oldest steps in flight until at most ``keep`` remain."""
         while len(self.in_flight) > keep:
             step, metrics = self.in_flight.popleft()
-            self._finished(step, jax.device_get(metrics))
+            values = jax.device_get(metrics)
+            now = time.perf_counter()
+            # Throughput is timed between instants at which the host saw a step done, so the
+            # host's own work in between (writing a record) neither shortens nor lengthens a
+            # window. Only steps seen with the next one already in flight are timed: that is
+            # how every step but the last before a drain (an evaluation, a save, the end) is
+            # seen, and on the H200 it is seen later than a step with nothing after it (a 7B
+            # run's final step looked 0.5 s shorter than the others). A window needs two timed
+            # steps, so with eval_every or checkpoint_every of 1 or 2 no record has tokens/s.
+            self._finished(step, values, now if self.in_flight else None)
 
     def restart_clock(self) -> None:
-        self.clock, self.tokens = time.perf_counter(), 0
+        """Starts a new throughput window at the next timed step (after an evaluation or a
+        save, which are not training throughput)."""
+        self.clock, self.seen, self.tokens = None, None, 0
 
-    def _finished(self, step: int, values: dict) -> None:
+    def _timed(self, now: float | None) -> None:
+        if now is None:
+            return
+        if self.clock is None:
+            self.clock = now
+        else:
+            self.tokens += self.cfg.tokens_per_step
+            self.seen = now
+
+    def _finished(self, step: int, values: dict, now: float | None) -> None:
         cfg = self.cfg
         loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
         skipped = not math.isfinite(grad_norm) and cfg.skip_nonfinite_steps > 0
@@ -963,8 +988,8 @@ class _Progress:
         if step == self.first_step:
             # The first step includes compilation; throughput is timed from its end. Its loss
             # is logged on its own, so the starting loss is seen.
-            record = self._record(step, 0, time.perf_counter())
-            record["first_step_s"] = time.perf_counter() - self.started
+            record = self._record(step, 0, 0.0)
+            record["first_step_s"] = (now or time.perf_counter()) - self.started
             self.log.write(record)
             self.recorded = step
             if "loss" in record:
@@ -972,9 +997,9 @@ class _Progress:
                     f"step {step}: loss {record['loss']:.4f}; the first step took "
                     f"{record['first_step_s']:.1f} s (compilation included)"
                 )
-            self.restart_clock()
+            self.clock = now  # the next step has been running since: its time counts
             return
-        self.tokens += cfg.tokens_per_step
+        self._timed(now)
         if step % cfg.log_every == 0 or step == self.last_step:
             self.flush()
 
@@ -982,8 +1007,10 @@ class _Progress:
         """Writes the record of the steps finished since the last one, if any."""
         if self.finished == self.recorded:
             return
-        record = self._record(self.finished, self.tokens, self.clock)
-        self.restart_clock()
+        timed = self.tokens > 0
+        record = self._record(self.finished, self.tokens, self.seen - self.clock if timed else 0.0)
+        if timed:  # the next window starts where this one ended
+            self.clock, self.tokens = self.seen, 0
         self.log.write(record)
         self.recorded = self.finished
         if "loss" in record:
@@ -991,9 +1018,9 @@ class _Progress:
             if not self.cfg.progress_bar:
                 self.say(f"step {self.finished}/{self.cfg.steps}: {_postfix(record)}")
 
-    def _record(self, step: int, tokens: int, clock: float) -> dict:
+    def _record(self, step: int, tokens: int, elapsed: float) -> dict:
         if self.window:
-            record = _log_record(self.window, step, self.schedule, tokens, clock)
+            record = _log_record(self.window, step, self.schedule, tokens, elapsed)
         else:  # every step since the last record was skipped
             record = {"step": step}
         if self.cfg.skip_nonfinite_steps:
@@ -1191,14 +1218,30 @@ def _diverged(what: str, checkpointer: Checkpointer) -> DivergedError:
     )
 
 
-def _log_record(pending, step, schedule, tokens_since, timer) -> dict:
+def host_schedule_value(schedule, step: int) -> float:
+    """``schedule(step)`` computed on the host's CPU device where there is one.
+
+    On the accelerator the schedule's few ops would queue behind the step in flight, so
+    reading the value would wait for that step (a stall in the logging, not in training).
+    """
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without "cpu": the accelerator computes it
+        return float(schedule(step))
+    with jax.default_device(cpu):
+        return float(schedule(step))
+
+
+def _log_record(pending, step, schedule, tokens_since, elapsed) -> dict:
+    """The metrics.jsonl record of the steps in ``pending``: ``tokens_since`` tokens trained in
+    ``elapsed`` seconds (between the instants the host saw the window's first and last steps
+    end)."""
     values = jax.device_get(pending)
-    elapsed = time.perf_counter() - timer
     record = {
         "step": step,
         "loss": float(np.mean([v["loss"] for v in values])),
         "grad_norm": float(values[-1]["grad_norm"]),
-        "learning_rate": float(schedule(step - 1)),
+        "learning_rate": host_schedule_value(schedule, step - 1),
         "tokens_per_sec": tokens_since / elapsed if tokens_since else None,
         "host_peak_rss_bytes": host_peak_rss_bytes(),
     }
