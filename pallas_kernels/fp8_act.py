@@ -44,6 +44,7 @@ from pallas_kernels.fp8_quant import (
     grouped_view,
     per_group,
     pow2_divisor,
+    quantize_per_group_reference,
     tiles_for,
 )
 from pallas_kernels.quant import QuantizedTensor
@@ -98,10 +99,6 @@ def _kernel_groups(op: str, *saved: QuantizedTensor) -> int:
 # references
 
 
-def _absmax(x, group_size, fmt, scale_format):
-    return quant.quantize_absmax(x, group_size=group_size, fmt=fmt, scale_format=scale_format)
-
-
 def rmsnorm_fwd_reference(
     x, w, eps: float, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
 ):
@@ -110,7 +107,11 @@ def rmsnorm_fwd_reference(
     x32 = x.astype(jnp.float32)
     rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     y = w.astype(x.dtype) * (x32 * rstd).astype(x.dtype)
-    return y, _absmax(x, group_size, fmt, scale_format), rstd
+    return (
+        y,
+        quantize_per_group_reference(x, group_size=group_size, fmt=fmt, scale_format=scale_format),
+        rstd,
+    )
 
 
 def rmsnorm_bwd_reference(dy, x_q: QuantizedTensor, rstd, w):
@@ -136,7 +137,9 @@ def silu_fwd_reference(
     """``(y, x_q)``: ``y = silu(x)`` in float32 math, output in ``x.dtype``; ``x_q`` the 1xG
     quantized ``x``."""
     y = silu32(x.astype(jnp.float32)).astype(x.dtype)
-    return y, _absmax(x, group_size, fmt, scale_format)
+    return y, quantize_per_group_reference(
+        x, group_size=group_size, fmt=fmt, scale_format=scale_format
+    )
 
 
 def silu_grad(x32):
@@ -157,8 +160,10 @@ def swiglu_fwd_reference(
     y = (silu32(g32) * u32).astype(jnp.result_type(gate, up))
     return (
         y,
-        _absmax(gate, group_size, fmt, scale_format),
-        _absmax(up, group_size, fmt, scale_format),
+        quantize_per_group_reference(
+            gate, group_size=group_size, fmt=fmt, scale_format=scale_format
+        ),
+        quantize_per_group_reference(up, group_size=group_size, fmt=fmt, scale_format=scale_format),
     )
 
 
@@ -180,8 +185,8 @@ def mul_fwd_reference(
     y = (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(jnp.result_type(a, b))
     return (
         y,
-        _absmax(a, group_size, fmt, scale_format),
-        _absmax(b, group_size, fmt, scale_format),
+        quantize_per_group_reference(a, group_size=group_size, fmt=fmt, scale_format=scale_format),
+        quantize_per_group_reference(b, group_size=group_size, fmt=fmt, scale_format=scale_format),
     )
 
 

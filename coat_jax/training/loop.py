@@ -997,7 +997,7 @@ class _Progress:
                     f"step {step}: loss {record['loss']:.4f}; the first step took "
                     f"{record['first_step_s']:.1f} s (compilation included)"
                 )
-            self.clock = now  # the next step has been running since: its time counts
+            self._timed(now)  # starts the window: the next step has been running since
             return
         self._timed(now)
         if step % cfg.log_every == 0 or step == self.last_step:
