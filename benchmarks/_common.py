@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -192,6 +193,7 @@ def gib(n: float | None) -> str:
 
 
 def ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` to three places, truncated: a published ratio is never rounded up."""
     if not a or not b:
         return "n/a"
-    return f"{a / b:.2f}x"
+    return f"{math.floor(a / b * 1000) / 1000:.3f}x"

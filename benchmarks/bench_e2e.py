@@ -18,6 +18,11 @@ setting for each column and states the ratios against BF16's best.
 ``--first-step`` also times ``python train.py --config configs/llama2_7b.yaml`` itself from
 launch to its first logged step (a child process, stopped once that line is written).
 
+``--profile-reps N`` also traces N steps at the equal batch after the timed ones and records
+where the step's time goes (``bench_layer.measure_split``: GEMMs, attention, FP8 Pallas kernels,
+FP8 XLA fusions, optimizer kernels, copies, other XLA kernels, launch gaps) with its longest
+kernels; the coat_adamw kernels count as optimizer by name, optax's fusions as other.
+
 Records are appended to ``<out-dir>/e2e.jsonl`` as they come, so a timeout keeps what was done.
 
     python benchmarks/bench_e2e.py --tiny                        # CPU smoke test
@@ -46,6 +51,7 @@ LAYOUTS = ("scan", "unrolled")
 OPTIMIZER = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
 CONFIG_7B = os.path.join(ROOT, "configs", "llama2_7b.yaml")
 CONFIG_TINY = os.path.join(ROOT, "configs", "default.yaml")
+PROFILE_TOP = 25  # kernels listed per profiled setting
 MODEL_NAMES = {
     "configs/llama2_7b.yaml": "Llama-2-7B",
     "configs/llama3_8b.yaml": "Llama-3-8B",
@@ -269,6 +275,30 @@ def worker(args) -> None:
             losses=[round(x, 4) for x in losses],
         )
 
+    def profile_at(batch: int, wall_s: float):
+        """The time split of ``args.profile_reps`` traced steps (after the allocator's peak
+        was read, so the profiler's buffers do not count in it)."""
+        from bench_layer import measure_split
+
+        nonlocal params, opt_state
+        compiled, _ = compile_at(batch)
+        tokens = jax.device_put(
+            jax.random.randint(rng, (1, batch, seq + 1), 0, config.vocab_size, jnp.int32),
+            program.batch_sharding,
+        )
+
+        def call():
+            nonlocal params, opt_state
+            params, opt_state, metrics = compiled(params, opt_state, tokens)
+            jax.block_until_ready(metrics)
+
+        label = base["setting"]
+        hlo = compiled.as_text() or ""
+        split = measure_split(
+            call, args.profile_reps, hlo, wall_s, "train_step", label, batch, top=PROFILE_TOP
+        )
+        record("profile", batch=batch, split=split)
+
     def try_run(batch: int, reps: int):
         """run_at, or None after an out-of-memory error (then the state is rebuilt)."""
         nonlocal params, opt_state
@@ -301,6 +331,8 @@ def worker(args) -> None:
     rec0 = try_run(b0, args.reps)
     if rec0 is not None:
         done[b0] = rec0
+        if args.profile_reps:
+            profile_at(b0, rec0["step"]["median_s"])
     if args.no_search:
         return
     # 2. largest batch: a first guess from the growth of the backward residuals per sequence
@@ -574,6 +606,7 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
                 f"| `{name}` | {b} | {c['compile_s']} | {C.gib(mem.get('argument'))} | "
                 f"{C.gib(mem.get('temp'))} | {C.gib(mem.get('peak'))} | {c['fits']} |"
             )
+    lines += profile_lines(records)
     notes = [(name, n) for name, m in by.items() for n in m.get("notes", [])]
     if notes:
         lines += ["", "Not measured / notes:", ""] + [f"- `{s}`: {n}" for s, n in notes]
@@ -582,6 +615,45 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
         with open(path, "w") as f:
             f.write(text)
     return text
+
+
+def profile_lines(records: list[dict]) -> list[str]:
+    """The ``--profile-reps`` records as a time-split table and each setting's longest kernels
+    (ms per step; gaps = the untraced median step - the time some kernel ran)."""
+    from bench_layer import SPLIT_CATEGORIES
+
+    profiles = [r for r in records if r["kind"] == "profile" and r["split"].get("traced")]
+    untraced = [r for r in records if r["kind"] == "profile" and not r["split"].get("traced")]
+    lines = []
+    if profiles:
+        lines += [
+            "",
+            "Time split of the step (ms per step, `jax.profiler` trace of "
+            f"{profiles[0]['split']['reps']} steps after the timed ones; the coat_adamw kernels "
+            "are the optimizer, optax's fusions fall under other XLA kernels):",
+            "",
+            "| setting | batch | wall (ms) | kernels per step | kernel time | busy | gaps | "
+            + " | ".join(SPLIT_CATEGORIES.values())
+            + " |",
+            "|---|---|---|---|---|---|---|" + "---|" * len(SPLIT_CATEGORIES),
+        ]
+        for r in profiles:
+            sp = r["split"]
+            cats = " | ".join(f"{sp['categories'][c]['ms']:.2f}" for c in SPLIT_CATEGORIES)
+            lines.append(
+                f"| `{r['setting']}` | {r['batch']} | {sp['wall_ms']:.2f} | "
+                f"{sp['kernels_per_step']:.0f} | {sp['kernel_ms']:.2f} | {sp['busy_ms']:.2f} | "
+                f"{sp['wall_ms'] - sp['busy_ms']:.2f} | {cats} |"
+            )
+        for r in profiles:
+            lines += ["", f"Longest kernels of `{r['setting']}` (ms per step, launches per step):"]
+            lines += [
+                f"- {t['ms']:.3f} ms, {t['kernels']:.1f}x, {t['category']}: `{t['name']}`"
+                for t in r["split"]["top"]
+            ]
+    for r in untraced:
+        lines += ["", f"`{r['setting']}`: no time split ({r['split'].get('reason')})."]
+    return lines
 
 
 def recorded_command(records: list[dict]) -> str:
@@ -607,6 +679,9 @@ def main(argv=None) -> None:
     p.add_argument("--first-step-overrides", default="", help="key=value,... for that train.py")
     p.add_argument("--first-step-budget-s", type=float, default=300.0)
     p.add_argument("--tiny", action="store_true", help="3 small layers on the CPU: a smoke test")
+    p.add_argument(
+        "--profile-reps", type=int, default=0, help="trace this many steps at the equal batch"
+    )
     p.add_argument("--config", default=CONFIG_7B, help="the train.py config (llama2_7b.yaml)")
     p.add_argument("--out-dir", default="runs/bench_e2e")
     p.add_argument("--docs", default=None, help="write the markdown table here")
@@ -649,6 +724,7 @@ def main(argv=None) -> None:
         f"--min-compile-s={args.min_compile_s}",
         f"--max-batch={args.max_batch}",
         f"--max-search-compiles={args.max_search_compiles}",
+        f"--profile-reps={args.profile_reps}",
         f"--jsonl={jsonl}",
         f"--config={os.path.abspath(args.config)}",
     ]

@@ -72,7 +72,7 @@ import _common as C  # noqa: E402
 
 MODES = ("bf16", "fp8", "coat")
 PAPER_U = {"bf16": 22.66, "fp8": 18.33, "coat": 13.33}  # COAT Table 2 (PyTorch, TE for fp8)
-WEIGHT_RESIDUALS = ("master", "fp8")  # coat_jax.fp8_ops.WEIGHT_RESIDUALS (no JAX import here)
+WEIGHT_RESIDUALS = ("master", "fp8", "once")  # coat_jax.fp8_ops.WEIGHT_RESIDUALS (no JAX here)
 # The optimizer of each mode's layer step, as train.py pairs them (docs/bench_e2e.md).
 MODE_OPTIMIZERS = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
 # Instructions that launch no kernel of their own: bookkeeping, control flow (its bodies are
@@ -436,9 +436,17 @@ def trace_kernels(call, reps: int) -> tuple[list[KernelEvent], dict, float]:
 
 
 def measure_split(
-    call, reps: int, hlo: str, wall_s: float, program: str, label: str, batch: int
+    call,
+    reps: int,
+    hlo: str,
+    wall_s: float,
+    program: str,
+    label: str,
+    batch: int,
+    top: int = TOP_KERNELS,
 ) -> dict:
-    """The time split of ``call`` (one step of ``program``), recorded and printed."""
+    """The time split of ``call`` (one step of ``program``), recorded and printed, with its
+    ``top`` longest kernels."""
     split = {"program": program, "reps": reps, "wall_ms": wall_s * 1e3}
     try:
         events, info, traced_s = trace_kernels(call, reps)
@@ -454,7 +462,7 @@ def measure_split(
         )
         print(f"[{label}] batch {batch}: no time split, {split['reason']}", flush=True)
         return split
-    split.update(traced=True, **time_split(events, reps, hlo_kernel_categories(hlo)))
+    split.update(traced=True, **time_split(events, reps, hlo_kernel_categories(hlo), top))
     print(f"[{label}] batch {batch}: {program} {split_summary(split)}", flush=True)
     for t in split["top"]:
         print(

@@ -14,6 +14,7 @@ from coat_jax import checkpoint_io, fp8_ops, generate, llama, memory, optim, qua
 from coat_jax.checkpoint_io import from_pretrained, save_pretrained
 from coat_jax.fp8_ops import (
     FP8Config,
+    FP8Weight,
     OpSet,
     fp8_add,
     fp8_attention,
@@ -25,6 +26,8 @@ from coat_jax.fp8_ops import (
     fp8_silu,
     fp8_swiglu,
     ops_for,
+    prequantized,
+    quantize_weight,
 )
 from coat_jax.fp8_wrapper import (
     FP8State,
@@ -71,6 +74,7 @@ __all__ = [
     "quantized_paths",
     # FP8 activations
     "FP8Config",
+    "FP8Weight",
     "OpSet",
     "fp8_add",
     "fp8_attention",
@@ -82,6 +86,8 @@ __all__ = [
     "fp8_silu",
     "fp8_swiglu",
     "ops_for",
+    "prequantized",
+    "quantize_weight",
     "activation_bytes",
     "activation_bytes_by_dtype",
     "residuals",

@@ -29,7 +29,10 @@ s_w)``, the pattern XLA's GPU compiler rewrites into cuBLASLt's FP8 GEMM
 dgrad and wgrad as the same FP8 pattern; by default (``FP8Config.weight_residual="master"``) the
 weight is re-quantized from the master weight rather than kept as an FP8 copy, and with ``"fp8"``
 forward's codes are kept for backward instead (1 byte per weight, tagged :data:`WEIGHT`; the same
-codes, so the same results). Its gradient comes out in the master dtype.
+codes, so the same results). With ``"once"`` the model quantizes every linear weight once per
+step before its layers run (:func:`quantize_weight`, all layers of a scanned model in one pass)
+and hands :class:`FP8Weight` pairs to ``fp8_linear``, whose forward and backward both read those
+codes. Its gradient comes out in the master dtype.
 
 The residual stream travels in BF16 (``fp8_add`` computes the sum in BF16); its FP8 copy is the
 one the next ``fp8_rmsnorm`` makes and saves, and since each residual-stream value feeds exactly
@@ -78,7 +81,7 @@ ACTIVATION = "activation"
 # backward (``coat_jax.llama.REMAT_POLICIES``). With ``"master"`` nothing carries this name.
 WEIGHT = "fp8_weight"
 # What ``fp8_linear`` keeps of its weights for backward (``FP8Config.weight_residual``).
-WEIGHT_RESIDUALS = ("master", "fp8")
+WEIGHT_RESIDUALS = ("master", "fp8", "once")
 
 
 def keep(tree):
@@ -117,8 +120,14 @@ class FP8Config:
         (default): a reference to the master weight, which backward quantizes again (nothing
         weight-sized is added; the weight is read and quantized twice per step). ``"fp8"``: the
         E4M3 codes and scale forward computed (1 byte per weight, tagged :data:`WEIGHT`, alive
-        until backward), so backward quantizes no weight. Both give bit-identical results: the
-        same codes feed the same GEMMs. docs/memory_options.md, "FP8 weight codes".
+        until backward), so backward quantizes no weight. ``"once"``: the model quantizes each
+        linear weight once per step before its decoder layers run (a scanned model: all layers'
+        stacked weights in one pass, so the scan slices 1-byte codes instead of handing each
+        float32 weight slice to the quantizer as a copy) and passes :class:`FP8Weight` pairs;
+        forward and backward read those codes (1 byte per weight, alive for the whole step). A
+        plain master weight reaching ``fp8_linear`` under ``"once"`` is treated as under
+        ``"fp8"``. All three give bit-identical results: the same codes feed the same GEMMs.
+        docs/memory_options.md, "FP8 weight codes".
       group_scale: how the 1xG scales of the non-linear ops' saved inputs (and of FP8
         attention's q, k, v) are stored. ``"float32"`` (default, COAT): exact scales, 4 bytes
         per 16 values. ``"e8m0"``: each scale rounded up to a power of two and stored as its
@@ -148,7 +157,8 @@ class FP8Config:
             raise ValueError(
                 f"weight_residual={self.weight_residual!r} is not one of "
                 f"{list(WEIGHT_RESIDUALS)}: 'master' re-quantizes the master weight in backward, "
-                "'fp8' keeps forward's FP8 weight codes for it"
+                "'fp8' keeps forward's FP8 weight codes for it, 'once' quantizes every weight "
+                "once per step before the layers run"
             )
         if self.group_scale not in quant.SCALE_FORMATS:
             raise ValueError(
@@ -239,8 +249,14 @@ def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False) -> quant.Qua
         pallas=lambda: fp8_quant.quantize_per_tensor_pallas(
             x, tiles=config.tiles, interpret=config.interpret, mesh=mesh, partition=partition, **kw
         ),
-        xla=lambda: materialize(fp8_quant.quantize_per_tensor_reference(x, **kw)),
+        xla=lambda: _per_tensor_xla(x, fmt, config),
     )[1]
+
+
+def _per_tensor_xla(x, fmt, config: FP8Config) -> quant.QuantizedTensor:
+    """XLA's per-tensor quantizer (the reference), pinned by :func:`materialize`."""
+    kw = dict(fmt=fmt, group_size=config.group_size)
+    return materialize(fp8_quant.quantize_per_tensor_reference(x, **kw))
 
 
 # XLA options under which the FP8 GEMMs compile to cuBLASLt FP8 on a GPU (H200, JAX 0.11.2,
@@ -290,8 +306,87 @@ def _fp8_dot(a, b, contracting, config, compute_dtype, out_dtype):
     return (acc * (a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32))).astype(out_dtype)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["master", "quantized"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class FP8Weight:
+    """A master weight paired with this step's FP8 codes of it (``weight_residual="once"``).
+
+    ``fp8_linear`` takes it wherever it takes a master weight: forward and backward run their
+    GEMMs on ``quantized`` and the weight gradient goes to ``master`` (the codes are a function of
+    the master weight held constant, as its FP8 rounding is in every mode). Made by
+    :func:`prequantized`; the model makes one per linear weight before its layers run.
+
+    Attributes:
+      master: the master weight ``[K, N]``, any float dtype.
+      quantized: its E4M3 per-tensor :class:`~pallas_kernels.quant.QuantizedTensor` (codes
+        ``[K, N]``, scalar scale).
+    """
+
+    master: jax.Array
+    quantized: quant.QuantizedTensor
+
+    @property
+    def shape(self):
+        return self.master.shape
+
+    @property
+    def dtype(self):
+        return self.master.dtype
+
+    @property
+    def ndim(self):
+        return self.master.ndim
+
+
+def quantize_weight(w: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> quant.QuantizedTensor:
+    """E4M3 per-tensor codes of a master weight ``[K, N]``, or of stacked weights ``[L, K, N]``
+    (one scale per ``w[l]``), with no gradient (``weight_residual="once"``).
+
+    The codes equal what ``fp8_linear`` makes of each weight itself (group-scaled maximum, scale
+    rounded up to a bfloat16 value). Stacked weights are quantized in one pass over the stacked
+    array (``vmap``, batched kernels; on a kernel mesh the XLA reference on the sharded array),
+    so a scan over layers slices 1-byte codes rather than handing each float32 slice to a
+    kernel, which XLA must first copy out of the stack. On a kernel mesh the stacked weights
+    take XLA's quantizer whatever ``config.implementation`` says: the partitioner splits it
+    like the weight and takes each layer's maximum over the shards (the per-shard kernels are
+    written for 2-D weights).
+
+    Example:
+      >>> quantize_weight(jnp.ones((3, 32, 16))).scale.shape
+      (3,)
+    """
+    _check_float("w", w)
+    w = jax.lax.stop_gradient(w)
+    if w.ndim == 2:
+        return _per_tensor(w, config.act_format, config, weight=True)
+    if w.ndim != 3:
+        raise ValueError(
+            f"quantize_weight needs a weight [K, N] or stacked weights [L, K, N], got {w.shape}"
+        )
+    if config.mesh is not None:
+        return jax.vmap(lambda wl: _per_tensor_xla(wl, config.act_format, config))(w)
+    return jax.vmap(lambda wl: _per_tensor(wl, config.act_format, config, weight=True))(w)
+
+
+def prequantized(w: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> FP8Weight:
+    """``FP8Weight(w, quantize_weight(w))``: a master weight ``[K, N]`` with its codes.
+
+    Example:
+      >>> x = jnp.ones((4, 32), jnp.bfloat16)
+      >>> fp8_linear(x, prequantized(jnp.ones((32, 16))), DEFAULT_CONFIG).shape
+      (4, 16)
+    """
+    return FP8Weight(w, quantize_weight(w, config))
+
+
 def _as_weights(w) -> tuple:
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
+
+
+def _master(w):
+    return w.master if isinstance(w, FP8Weight) else w
 
 
 def _check_linear(x, w):
@@ -300,10 +395,17 @@ def _check_linear(x, w):
     if not weights:
         raise ValueError("fp8_linear needs at least one weight")
     for wi in weights:
-        _check_float("w", wi)
+        _check_float("w", _master(wi))
         if wi.ndim != 2 or x.ndim < 1 or x.shape[-1] != wi.shape[0]:
             raise ValueError(
                 f"fp8_linear needs x [..., K] and w [K, N]; got x {x.shape} and w {wi.shape}"
+            )
+        if isinstance(wi, FP8Weight) and (
+            wi.quantized.codes.shape != wi.shape or wi.quantized.granularity != "tensor"
+        ):
+            raise ValueError(
+                f"FP8Weight of a weight {wi.shape} holds {wi.quantized.granularity} codes of "
+                f"shape {wi.quantized.codes.shape}; make it with prequantized(w, config)"
             )
 
 
@@ -315,8 +417,10 @@ def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
     quantized and saved once, each weight gets its own per-tensor scale, and a tuple of outputs
     comes back. No concatenated weight copy is made. What backward gets of the weights is
     ``config.weight_residual``: with ``"master"`` a reference to the caller's master weights
-    (which live anyway), quantized again in backward; with ``"fp8"`` forward's E4M3 codes and
-    scales (1 byte per weight, tagged :data:`WEIGHT`), so each weight is quantized once.
+    (which live anyway), quantized again in backward; with ``"fp8"`` (or ``"once"``) forward's
+    E4M3 codes and scales (1 byte per weight, tagged :data:`WEIGHT`), so each weight is quantized
+    once. A weight given as an :class:`FP8Weight` is not quantized here at all: forward and
+    backward use its codes, and its gradient goes to its master weight.
 
     Weights are quantized as weights (``_per_tensor(..., weight=True)``): on a kernel mesh
     (``config.mesh``) each FSDP shard is quantized where it lives, with the scale of the global
@@ -324,12 +428,12 @@ def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
 
     Args:
       x: activations ``[..., K]`` (BF16 or float32).
-      w: master weight ``[K, N]`` (any float dtype), or a tuple of such weights.
+      w: master weight ``[K, N]`` (any float dtype) or :class:`FP8Weight`, or a tuple of them.
       config: static :class:`FP8Config`.
 
     Returns:
       ``[..., N]`` in ``x.dtype`` (a tuple for a tuple ``w``). Weight gradients come back in
-      each weight's dtype.
+      each master weight's dtype.
 
     Example:
       >>> x = jnp.ones((2, 8, 32), jnp.bfloat16)
@@ -341,19 +445,22 @@ def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["weights"],
-    meta_fields=["dtypes", "container"],
+    data_fields=["items"],
+    meta_fields=["dtypes", "container", "prequantized"],
 )
 @dataclasses.dataclass(frozen=True)
-class _WeightCodes:
-    """Forward's FP8 weights kept for backward (``weight_residual="fp8"``): per weight its E4M3
-    per-tensor :class:`~pallas_kernels.quant.QuantizedTensor` (codes ``[K, N]``); static: the
-    master dtypes the gradients take and the container of ``w`` (``tuple``, ``list``, or
-    ``None`` for a single weight)."""
+class _KeptWeights:
+    """What ``fp8_linear``'s backward gets of its weights: per weight either its master weight
+    (``weight_residual="master"``: backward quantizes it again) or its E4M3 per-tensor
+    :class:`~pallas_kernels.quant.QuantizedTensor` (forward's codes, tagged :data:`WEIGHT`, or
+    an :class:`FP8Weight`'s, which are an input and need no tag); static: the master dtypes the
+    gradients take, the container of ``w`` (``tuple``, ``list``, or ``None`` for a single
+    weight) and which weights came as :class:`FP8Weight` (their gradient goes to ``master``)."""
 
-    weights: tuple
+    items: tuple
     dtypes: tuple
     container: type | None
+    prequantized: tuple
 
 
 def _gathered(w_q: quant.QuantizedTensor, config: FP8Config) -> quant.QuantizedTensor:
@@ -370,46 +477,52 @@ def _fp8_linear_fwd(x, w, config):
     # FP8 GEMM rewriter only matches convert(codes) * scale directly on the FP8 producer).
     x_q = _per_tensor(x.reshape(-1, k), config.act_format, config)
     weights = _as_weights(w)
-    ys, w_qs = [], []
+    ys, kept = [], []
     for wi in weights:
-        w_q = _per_tensor(wi, config.act_format, config, weight=True)
+        if isinstance(wi, FP8Weight):
+            w_q = wi.quantized
+            kept.append(w_q)
+        else:
+            w_q = _per_tensor(wi, config.act_format, config, weight=True)
+            kept.append(wi if config.weight_residual == "master" else keep_weight(w_q))
         y = _fp8_dot(x_q, _gathered(w_q, config), ((1,), (0,)), config, x.dtype, x.dtype)
         ys.append(y.reshape(*x.shape[:-1], wi.shape[1]))
-        w_qs.append(w_q)
     container = type(w) if isinstance(w, (tuple, list)) else None
     out = ys[0] if container is None else tuple(ys)
-    if config.weight_residual == "fp8":
-        dtypes = tuple(jnp.dtype(wi.dtype) for wi in weights)
-        kept_w = _WeightCodes(keep_weight(tuple(w_qs)), dtypes, container)
-    else:
-        kept_w = w
+    kept_w = _KeptWeights(
+        tuple(kept),
+        tuple(jnp.dtype(wi.dtype) for wi in weights),
+        container,
+        tuple(isinstance(wi, FP8Weight) for wi in weights),
+    )
     return out, (keep(x_q), kept_w)
 
 
 def _fp8_linear_bwd(config, res, dy):
     x_q, kept_w = res
-    if isinstance(kept_w, _WeightCodes):
-        quantized = kept_w.weights
-        dtypes, container = kept_w.dtypes, kept_w.container
-    else:
-        # "master": quantize each master weight again, exactly as forward did.
-        weights = _as_weights(kept_w)
-        quantized = (_per_tensor(wi, config.act_format, config, weight=True) for wi in weights)
-        dtypes = tuple(wi.dtype for wi in weights)
-        container = type(kept_w) if isinstance(kept_w, (tuple, list)) else None
     dys = _as_weights(dy)
     compute = dys[0].dtype
     dx, dws = None, []
-    for w_q, dtype, dyi in zip(quantized, dtypes, dys, strict=True):
+    for item, dtype, pre, dyi in zip(
+        kept_w.items, kept_w.dtypes, kept_w.prequantized, dys, strict=True
+    ):
+        # "master": quantize the master weight again, exactly as forward did.
+        w_q = (
+            item
+            if isinstance(item, quant.QuantizedTensor)
+            else _per_tensor(item, config.act_format, config, weight=True)
+        )
         dy_q = _per_tensor(dyi.reshape(-1, w_q.shape[1]), config.grad_format, config)
         # dgrad contracts the codes' last axis (N): [K, N] codes are already in the layout
         # cuBLASLt's FP8 GEMM takes, so no transposed copy is needed for it.
         w_q = _gathered(w_q, config)
         dx_i = _fp8_dot(dy_q, w_q, ((1,), (1,)), config, compute, jnp.float32)
         dx = dx_i if dx is None else dx + dx_i
-        dw = _fp8_dot(x_q, dy_q, ((0,), (0,)), config, compute, jnp.float32)
-        dws.append(dw.astype(dtype))
+        dw = _fp8_dot(x_q, dy_q, ((0,), (0,)), config, compute, jnp.float32).astype(dtype)
+        # An FP8Weight's codes are held constant: its whole gradient is its master's.
+        dws.append(FP8Weight(dw, None) if pre else dw)
     dx = dx.astype(compute).reshape(*dys[0].shape[:-1], x_q.shape[1])
+    container = kept_w.container
     return dx, (dws[0] if container is None else container(dws))
 
 

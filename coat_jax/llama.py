@@ -32,8 +32,10 @@ from coat_jax.fp8_ops import (
     PRECISIONS,
     WEIGHT,
     FP8Config,
+    FP8Weight,
     fp8_attention,
     ops_for,
+    quantize_weight,
 )
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -384,6 +386,25 @@ class RMSNorm(nnx.Module):
         return ops.rmsnorm(x, self.weight[...], self.eps)
 
 
+# The linear weights of a decoder layer by sub-module: what ``FP8Config(weight_residual="once")``
+# quantizes once per step, before the layers run (``Llama.weight_codes``).
+LINEAR_WEIGHTS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _linear_weights(module, names: tuple[str, ...], codes) -> tuple | jax.Array:
+    """The master weights ``names`` of ``module`` for one ``ops.linear`` call (one weight, or a
+    tuple sharing the input), each paired with its FP8 codes (:class:`FP8Weight`) when ``codes``
+    (a dict by name, or ``None``) holds them."""
+    ws = tuple(
+        getattr(module, n)[...] if codes is None else FP8Weight(getattr(module, n)[...], codes[n])
+        for n in names
+    )
+    return ws[0] if len(ws) == 1 else ws
+
+
 class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
         d, hd = config.hidden_size, config.head_dim
@@ -395,17 +416,17 @@ class Attention(nnx.Module):
         self.o_proj = _param(rngs, (n * hd, d), param_dtype, std)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, hd
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ops):
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None):
         n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
         # One linear call for q, k and v: the shared input is quantized and saved once, and the
         # weights stay separate (no concatenated copy lives until backward).
-        q, kk, v = ops.linear(x_BTD, (self.q_proj[...], self.k_proj[...], self.v_proj[...]))
+        q, kk, v = ops.linear(x_BTD, _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes))
         b, t = x_BTD.shape[:2]
         q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
         k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
         v_BTKH = v.reshape(b, t, k, hd)
         out_BTNH = (ops.attention or causal_attention)(q_BTNH, k_BTKH, v_BTKH)
-        return ops.linear(out_BTNH.reshape(b, t, n * hd), self.o_proj[...])
+        return ops.linear(out_BTNH.reshape(b, t, n * hd), _linear_weights(self, ("o_proj",), codes))
 
 
 class MLP(nnx.Module):
@@ -415,9 +436,10 @@ class MLP(nnx.Module):
         self.up_proj = _param(rngs, (d, f), param_dtype, 0.02)
         self.down_proj = _param(rngs, (f, d), param_dtype, 0.02)
 
-    def __call__(self, x_BTD, ops):
-        gate_BTF, up_BTF = ops.linear(x_BTD, (self.gate_proj[...], self.up_proj[...]))
-        return ops.linear(ops.mul(ops.silu(gate_BTF), up_BTF), self.down_proj[...])
+    def __call__(self, x_BTD, ops, codes=None):
+        gate_BTF, up_BTF = ops.linear(x_BTD, _linear_weights(self, ("gate_proj", "up_proj"), codes))
+        down = _linear_weights(self, ("down_proj",), codes)
+        return ops.linear(ops.mul(ops.silu(gate_BTF), up_BTF), down)
 
 
 class DecoderLayer(nnx.Module):
@@ -428,10 +450,20 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
         self.mlp = MLP(config, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ops):
-        h = self.self_attn(self.input_layernorm(x_BTD, ops), positions_BT, inv_freq, ops)
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None):
+        """One layer; ``codes``: this step's FP8 codes of its linear weights, by sub-module and
+        name as :data:`LINEAR_WEIGHTS` (``Llama.weight_codes``), or ``None``."""
+        codes = codes or {}
+        h = self.self_attn(
+            self.input_layernorm(x_BTD, ops),
+            positions_BT,
+            inv_freq,
+            ops,
+            codes.get("self_attn"),
+        )
         x_BTD = ops.add(x_BTD, h)
-        return ops.add(x_BTD, self.mlp(self.post_attention_layernorm(x_BTD, ops), ops))
+        mlp = self.mlp(self.post_attention_layernorm(x_BTD, ops), ops, codes.get("mlp"))
+        return ops.add(x_BTD, mlp)
 
 
 def check_precision(precision: str) -> str:
@@ -461,10 +493,11 @@ def _stacked_layers(config: LlamaConfig, param_dtype, rngs: nnx.Rngs) -> Decoder
 
 
 def _layer_fn(graphdef, remat: str, ops, inv_freq, *, in_scan: bool):
-    """``(x, layer_state, positions) -> x`` for one decoder layer, under the remat policy."""
+    """``(x, layer_state, positions, codes=None) -> x`` for one decoder layer, under the remat
+    policy (``codes``: ``Llama.weight_codes`` of the layer, or ``None``)."""
 
-    def run(x_BTD, layer_state, positions_BT):
-        return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, inv_freq, ops)
+    def run(x_BTD, layer_state, positions_BT, codes=None):
+        return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, inv_freq, ops, codes)
 
     if remat == "none":
         return run
@@ -633,10 +666,10 @@ class Llama(nnx.Module):
     def scanned_layer(self):
         """``(layer, stacked)`` of a scanned model: one decoder layer as a function and the state.
 
-        ``layer(x_BTD, layer_state, positions_BT) -> x_BTD`` runs one layer (under the remat
-        policy) on one layer's slice of ``stacked`` (the ``nnx.State`` of the stacked layers,
-        leading axis ``num_hidden_layers``); :meth:`decoder` scans it. For code that drives the
-        layers itself (``coat_jax.training.layerwise``).
+        ``layer(x_BTD, layer_state, positions_BT, codes=None) -> x_BTD`` runs one layer (under
+        the remat policy) on one layer's slice of ``stacked`` (the ``nnx.State`` of the stacked
+        layers, leading axis ``num_hidden_layers``) and of :meth:`weight_codes`; :meth:`decoder`
+        scans it. For code that drives the layers itself (``coat_jax.training.layerwise``).
         """
         if not self.scan_layers:
             raise ValueError("scanned_layer() needs a model built with scan_layers=True")
@@ -646,22 +679,40 @@ class Llama(nnx.Module):
         )
         return layer, stacked
 
+    def weight_codes(self, layer_state) -> dict | None:
+        """This step's FP8 codes of the linear weights in ``layer_state`` (one layer's
+        ``nnx.State``, or the stacked layers': one scale per layer), as ``{sub-module: {name:
+        QuantizedTensor}}`` (:data:`LINEAR_WEIGHTS`); ``None`` unless the precision has FP8
+        linears and ``fp8_config.weight_residual`` is ``"once"``.
+
+        Under ``"once"`` :meth:`decoder` makes them before the layers run, each weight once per
+        step, and the layers' forward and backward GEMMs read them (``FP8Weight``).
+        """
+        if self.precision == "bf16" or self.fp8_config.weight_residual != "once":
+            return None
+        weights = nnx.to_pure_dict(layer_state)
+        return {
+            part: {n: quantize_weight(weights[part][n], self.fp8_config) for n in names}
+            for part, names in LINEAR_WEIGHTS.items()
+        }
+
     def decoder(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
         """The decoder layers on embedded inputs [B, T, D] (scanned or not, under the remat)."""
         if self.scan_layers:
             layer, stacked = self.scanned_layer()
 
-            def body(x_BTD, layer_state):
-                return layer(x_BTD, layer_state, positions_BT), None
+            def body(x_BTD, xs):
+                layer_state, codes = xs
+                return layer(x_BTD, layer_state, positions_BT, codes), None
 
-            x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+            x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, self.weight_codes(stacked)))
             return x_BTD
         ops = self.ops()
         inv_freq = rope_inv_freq(self.config)
         for decoder_layer in self.layers:
             graphdef, layer_state = nnx.split(decoder_layer)
             layer = _layer_fn(graphdef, self.remat, ops, inv_freq, in_scan=False)
-            x_BTD = layer(x_BTD, layer_state, positions_BT)
+            x_BTD = layer(x_BTD, layer_state, positions_BT, self.weight_codes(layer_state))
         return x_BTD
 
     def output_weight(self, *, cast: bool = True) -> jax.Array:

@@ -283,9 +283,12 @@ def scale_by_coat_adam(
         count = jnp.zeros([], jnp.int32, device=_replicated_like(leaves))
         return _state_from_leaves(count, treedef, mus, nus)
 
-    def step(updates, state, params=None, decay=None):
+    def step(updates, state, params=None, decay=None, grad_scale=None):
         """One step: ``(updates, new_state)``; with ``decay = (learning_rate, weight decay per
-        leaf)`` the update is applied to ``params`` too: ``(new_params, new_state)``."""
+        leaf)`` the update is applied to ``params`` too: ``(new_params, new_state)``, the
+        gradients multiplied by ``grad_scale`` first (a scalar or ``None``) inside the kernel."""
+        if grad_scale is not None and decay is None:
+            raise ValueError("grad_scale is folded into the fused apply only: pass decay too")
         leaves, treedef = jax.tree.flatten(updates)
         count = optax.safe_increment(state.count)
         partitions = _leaf_partitions(updates, treedef, mesh, partition_specs)
@@ -304,6 +307,8 @@ def scale_by_coat_adam(
             strict=True,
         ):
             if not isinstance(mu, quant.QuantizedTensor):
+                if grad_scale is not None:
+                    g = g.astype(jnp.float32) * grad_scale
                 m, v, u = kernels.adam_moments_and_update(
                     g, mu, nu, count=count, b1=b1, b2=b2, eps=eps
                 )
@@ -332,7 +337,14 @@ def scale_by_coat_adam(
                 u, new_mu, new_nu = kernels.coat_adam_step(g, mu, nu, **hyper)
             else:
                 u, new_mu, new_nu = kernels.coat_adamw_apply(
-                    p, g, mu, nu, learning_rate=learning_rate, weight_decay=wd, **hyper
+                    p,
+                    g,
+                    mu,
+                    nu,
+                    learning_rate=learning_rate,
+                    weight_decay=wd,
+                    grad_scale=grad_scale,
+                    **hyper,
                 )
             out.append(u)
             mus.append(new_mu)
@@ -477,7 +489,7 @@ def coat_adamw(
         optax.scale_by_learning_rate(learning_rate),
     )
 
-    def apply_fn(grads, state, params):
+    def apply_fn(grads, state, params, grad_scale=None):
         coat_state, decay_state, lr_state = state
         if callable(learning_rate):
             # optax.scale_by_schedule: the rate at the count before this step, then count + 1.
@@ -500,7 +512,9 @@ def coat_adamw(
                 ) from None
             flags = flatten_option(tree, params, treedef, name="mask", of="bools")
             decays = [weight_decay if m else 0.0 for m in flags]
-        new_params, coat_state = step(grads, coat_state, params, decay=(lr, decays))
+        new_params, coat_state = step(
+            grads, coat_state, params, decay=(lr, decays), grad_scale=grad_scale
+        )
         return new_params, (coat_state, decay_state, lr_state)
 
     return _with_apply(tx, apply_fn)
@@ -547,14 +561,28 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
 
     When the last of ``transforms`` is :func:`coat_adamw` (or another chain ending in it),
     :func:`apply_gradients` runs the others' updates on the gradients (clipping, say) and then its
-    fused apply. The state is ``optax.chain``'s.
+    fused apply. When every other transformation only scales the gradient by a scalar
+    (:func:`clip_by_global_norm`), the scalar goes to the kernel instead, which multiplies each
+    gradient as it reads it: no pass of its own over the gradient (Llama-2-7B, H200: optax's
+    clip wrote the whole float32 gradient once more, 12 ms of a 214 ms step). The state is
+    ``optax.chain``'s.
     """
     tx = optax.chain(*transforms)
     last = getattr(transforms[-1].update, "apply", None) if transforms else None
     if last is None:
         return tx
+    scales = [getattr(t.update, "grad_scale", None) for t in transforms[:-1]]
 
-    def apply_fn(grads, state, params):
+    def apply_fn(grads, state, params, grad_scale=None):
+        # ``grad_scale``: the factor of an enclosing chain's scaling transformations.
+        if all(f is not None for f in scales):
+            factor = grad_scale
+            for f in scales:
+                factor = f(grads, factor)
+            new_params, s = last(grads, state[-1], params, grad_scale=factor)
+            return new_params, (*state[:-1], s)
+        if grad_scale is not None:
+            grads = _scaled(grads, grad_scale)
         states = []
         for t, s in zip(transforms[:-1], state[:-1], strict=True):
             grads, s = t.update(grads, s, params)
@@ -563,6 +591,49 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
         return new_params, (*states, s)
 
     return _with_apply(tx, apply_fn)
+
+
+def _scaled(grads, factor):
+    return jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+
+
+def clip_factor(norm, max_norm) -> jax.Array:
+    """What :func:`clip_by_global_norm` multiplies every gradient by: 1 while the global
+    ``norm`` is below ``max_norm``, else ``max_norm / norm`` (float32)."""
+    norm = jnp.asarray(norm, jnp.float32)
+    return jnp.where(norm < max_norm, jnp.float32(1.0), max_norm / norm).astype(jnp.float32)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` (the same state and trigger) that :func:`chain` can fold
+    into :func:`coat_adamw`'s fused apply as a gradient scale.
+
+    Each gradient is multiplied by :func:`clip_factor` of the global norm, by its ``update`` and
+    by the fused kernel alike, so the two ways clip identically (for float32 gradients bit for
+    bit). optax divides by the norm and multiplies by ``max_norm``: the clipped gradients agree
+    with optax's to float32 rounding.
+
+    Example:
+      >>> import jax.numpy as jnp, coat_jax
+      >>> tx = coat_jax.optim.chain(clip_by_global_norm(1.0), coat_jax.coat_adamw(1e-3))
+      >>> params = {"w": jnp.zeros((8, 128))}
+      >>> params, _ = coat_jax.apply_gradients(tx, {"w": jnp.ones((8, 128))}, tx.init(params), params)
+    """
+
+    def grad_scale(grads, factor=None):
+        """The clip factor of ``grads`` already multiplied by ``factor`` (``None``: 1)."""
+        norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        if factor is not None:
+            norm = norm * jnp.abs(factor)
+        scale = clip_factor(norm, max_norm)
+        return scale if factor is None else scale * factor
+
+    def update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return _scaled(updates, grad_scale(updates)), state
+
+    update.grad_scale = grad_scale
+    return optax.GradientTransformationExtraArgs(optax.clip_by_global_norm(max_norm).init, update)
 
 
 def _unbox(x):

@@ -225,12 +225,32 @@ def apply_update(param, update, *, learning_rate, weight_decay):
 
 
 def coat_adamw_apply_reference(
-    param, grad, mu, nu, *, count, b1, b2, eps, expand_min, learning_rate, weight_decay, spec
+    param,
+    grad,
+    mu,
+    nu,
+    *,
+    count,
+    b1,
+    b2,
+    eps,
+    expand_min,
+    learning_rate,
+    weight_decay,
+    spec,
+    grad_scale=None,
 ) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
-    """Plain-jnp fused AdamW step of one parameter: ``(new_param, new_mu, new_nu)``."""
+    """Plain-jnp fused AdamW step of one parameter: ``(new_param, new_mu, new_nu)``.
+
+    ``grad_scale`` (a scalar, ``None`` for 1) multiplies the gradient in float32 first, as the
+    kernel does (gradient clipping folded into the step).
+    """
+    g = grad if grad_scale is None else grad.astype(jnp.float32) * grad_scale
     update, new_mu, new_nu = coat_adam_step_reference(
-        grad, mu, nu, count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec
+        g, mu, nu, count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec
     )
+    # The kernel rounds the update to the gradient's dtype, scaled or not.
+    update = update.astype(grad.dtype)
     new_param = apply_update(param, update, learning_rate=learning_rate, weight_decay=weight_decay)
     return new_param, new_mu, new_nu
 
@@ -249,6 +269,7 @@ def coat_adamw_apply(
     learning_rate,
     weight_decay,
     spec: MomentSpec,
+    grad_scale=None,
     implementation: str = "auto",
     interpret: bool = False,
     config: KernelConfig | None = None,
@@ -270,12 +291,16 @@ def coat_adamw_apply(
       b1, b2, eps, expand_min, learning_rate, weight_decay: numeric hyper-parameters (traced
         values are fine: they reach the kernel as operands).
       spec: static quantization settings.
+      grad_scale: a scalar the gradient is multiplied by first, in float32 (``None``: 1), so that
+        a global-norm clip costs no pass of its own over the gradient
+        (``coat_jax.optim.clip_by_global_norm``); traced values are fine.
       implementation, interpret, mesh, partition: as in :func:`coat_adam_step`.
       config: kernel launch settings (``None``: :data:`DEFAULT_CONFIG`).
     """
     _check_placement(mesh, partition)
     kwargs = dict(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
     decay = dict(learning_rate=learning_rate, weight_decay=weight_decay)
+    scale = dict(grad_scale=grad_scale)
 
     def pallas():
         _check_kernel_spec(spec)
@@ -283,7 +308,7 @@ def coat_adamw_apply(
             raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
         if not jnp.issubdtype(param.dtype, jnp.floating):
             raise TypeError(f"param must be a float array, got {param.dtype}")
-        hyper = _hyper_vector(spec=spec, **decay, **_no_spec(kwargs))
+        hyper = _hyper_vector(spec=spec, **decay, **scale, **_no_spec(kwargs))
         return _sharded_call(
             grad,
             param,
@@ -303,7 +328,7 @@ def coat_adamw_apply(
         interpret=interpret,
         mesh=mesh,
         pallas=pallas,
-        xla=lambda: coat_adamw_apply_reference(param, grad, mu, nu, **decay, **kwargs),
+        xla=lambda: coat_adamw_apply_reference(param, grad, mu, nu, **decay, **scale, **kwargs),
     )[1]
 
 
@@ -342,7 +367,21 @@ class KernelConfig:
 DEFAULT_CONFIG = KernelConfig()
 
 # Positions in the float32 hyper-parameter operand (a power-of-two length for Triton).
-_B1, _C1, _B2, _C2, _EPS, _BC1, _BC2, _EXPAND_MIN, _RANGE_MU, _RANGE_NU, _NEG_LR, _WD = range(12)
+(
+    _B1,
+    _C1,
+    _B2,
+    _C2,
+    _EPS,
+    _BC1,
+    _BC2,
+    _EXPAND_MIN,
+    _RANGE_MU,
+    _RANGE_NU,
+    _NEG_LR,
+    _WD,
+    _GRAD_SCALE,
+) = range(13)
 _HYPER_SIZE = 16
 
 
@@ -350,7 +389,9 @@ def _no_spec(kwargs):
     return {k: v for k, v in kwargs.items() if k != "spec"}
 
 
-def _hyper_vector(*, count, b1, b2, eps, expand_min, spec, learning_rate=0.0, weight_decay=0.0):
+def _hyper_vector(
+    *, count, b1, b2, eps, expand_min, spec, learning_rate=0.0, weight_decay=0.0, grad_scale=None
+):
     """The numeric hyper-parameters as one float32 vector, computed as the reference does.
 
     ``1 - b1`` is formed before the cast (in Python double for a Python float, as the reference's
@@ -376,6 +417,7 @@ def _hyper_vector(*, count, b1, b2, eps, expand_min, spec, learning_rate=0.0, we
         log2_range(spec.nu_format),
         -learning_rate,
         weight_decay,
+        1.0 if grad_scale is None else grad_scale,
     ]
     vec = jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in values])
     return jnp.pad(vec, (0, _HYPER_SIZE - len(values)))
@@ -557,9 +599,10 @@ def _kernel(
         for r, value in zip(moment_refs[1:], stats, strict=True):
             store(r, value, row_mask)
 
-    h = [hyper_ref[i] for i in range(_WD + 1)]
+    h = [hyper_ref[i] for i in range(_GRAD_SCALE + 1)]
     expand_min = h[_EXPAND_MIN]
-    g = load(grad_ref, tile_mask, 0).astype(jnp.float32)
+    # The gradient times its clip factor (exactly 1 unless the caller clips).
+    g = load(grad_ref, tile_mask, 0).astype(jnp.float32) * h[_GRAD_SCALE]
     m = moment_in(mu_in)
     v = moment_in(nu_in)
     # adam_moments_and_update, operation by operation.

@@ -247,6 +247,23 @@ def test_per_tensor_scale_is_the_global_maximum_bit_for_bit(fmt="e5m2"):
     assert "all-reduce" in hlo and (16, 96) not in _gathered_shapes(hlo)
 
 
+def test_stacked_weights_quantized_once_on_the_mesh_equal_one_device():
+    # fp8_weight_residual "once" on a kernel mesh: the stacked weights, split by the FSDP rule,
+    # give each layer the codes and scale of the unsharded quantizer, bit for bit.
+    w = (
+        jax.random.normal(jax.random.key(7), (3, 64, 256))
+        * jnp.array([1e-2, 1.0, 30.0])[:, None, None]
+    )
+    w = w.at[1, 3, 200].set(-90.0)
+    spec = P(None, *KMESH.param_spec(w.shape[1:]))
+    w_sh = jax.device_put(w, jax.sharding.NamedSharding(MESH, spec))
+    config = fp8_ops.FP8Config(mesh=KMESH, **PALLAS)
+    q = jax.jit(lambda w: fp8_ops.quantize_weight(w, config))(w_sh)
+    q1 = jax.jit(lambda w: fp8_ops.quantize_weight(w, fp8_ops.FP8Config(**PALLAS)))(w)
+    assert np.array_equal(np.asarray(q.scale).view(np.uint32), np.asarray(q1.scale).view(np.uint32))
+    _equal(q.codes, q1.codes)
+
+
 def test_per_tensor_quantizer_of_a_weight_on_its_fsdp_shards():
     w = jax.random.normal(jax.random.key(4), (64, 256)).at[3, 200].set(-50.0)
     spec = KMESH.param_spec(w.shape)
@@ -408,7 +425,11 @@ def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothi
 
     # Scanned layers wide enough that some weights split their last axis (128 columns each).
     cfg = _config(
-        "model.hidden_size=128", "model.intermediate_size=512", "scan_layers=true", "mesh.fsdp=4"
+        "model.hidden_size=128",
+        "model.intermediate_size=512",
+        "model.num_hidden_layers=2",
+        "scan_layers=true",
+        "mesh.fsdp=4",
     )
     program = build_program(cfg, cfg.model)
     params = _abstract(program.abstract_params, program.param_shardings)
@@ -452,10 +473,15 @@ def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothi
     # (XLA:CPU moves FP8 through collectives as f16), never as the float32 master or its
     # float32 GEMM operand.
     step_hlo = jax.jit(program.step_fn).lower(params, state, batch).compile().as_text()
-    weights = {p.shape[1:] for p in jax.tree.leaves(program.abstract_params) if p.ndim == 3}
+    # With fp8_weight_residual "once" the codes are a scan input: XLA gathers the [1, K, N]
+    # slice of the stack before dropping its unit axis.
+    stacked = [p.shape for p in jax.tree.leaves(program.abstract_params) if p.ndim == 3]
+    weights = {s[1:] for s in stacked} | {(1, *s[1:]) for s in stacked}
     weight_gathers = [(t, shape) for t, shape in _gathers(step_hlo) if shape in weights]
     assert weight_gathers, _gathers(step_hlo)
     assert all(t != "f32" for t, _ in weight_gathers), weight_gathers
+    # One layer's codes at a time: no device gathers the whole stack of them.
+    assert not set(stacked) & {shape for _, shape in _gathers(step_hlo)}, _gathers(step_hlo)
 
 
 def test_train_on_8_devices_equals_one_device_with_the_kernels(tmp_path):

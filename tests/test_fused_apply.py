@@ -187,3 +187,99 @@ def test_trainer_fused_apply_equals_the_optax_way(tmp_path):
     assert losses_f[-1] < losses_f[0], "the run did not train: the comparison would prove nothing"
     for a, b in zip(jax.tree.leaves(params_f), jax.tree.leaves(params_o), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _dequantized_state(state):
+    return jax.tree.leaves(coat_jax.dequantized_moments(state))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+@pytest.mark.parametrize("max_norm", [1.0, 1e3])
+def test_clip_folded_into_the_kernel_equals_optax_clip(implementation, max_norm):
+    # coat_jax.optim.clip_by_global_norm hands the fused apply a gradient scale instead of
+    # writing clipped gradients: the same step as optax's clip, to float32 rounding (and bit
+    # for bit when the clip does not trigger: the scale is then exactly 1).
+    kw = dict(implementation="auto", interpret=True) if implementation == "interpret" else {}
+    kw = kw or dict(implementation="xla")
+    coat = lambda: coat_jax.coat_adamw(3e-2, weight_decay=0.1, **kw)
+    folded = optim.chain(optim.clip_by_global_norm(max_norm), coat())
+    plain = optim.chain(optax.clip_by_global_norm(max_norm), coat())
+    p_folded, s_folded = _run(folded, fused=True)
+    p_plain, s_plain = _run(plain, fused=False)
+    # The folded clip's own update clips by the same factor the kernel applies: the same state.
+    p_update, s_update = _run(folded, fused=False)
+    for a, b in zip(jax.tree.leaves(s_folded), jax.tree.leaves(s_update), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for a, b in zip(jax.tree.leaves(p_folded), jax.tree.leaves(p_update), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+    norm = float(optax.tree.norm(_grads(0)))
+    assert (norm > max_norm) == (max_norm == 1.0), norm  # the clip triggers in one case only
+    assert jax.tree.structure(s_folded) == jax.tree.structure(s_plain)
+    if max_norm > norm:
+        for a, b in zip(jax.tree.leaves(s_folded), jax.tree.leaves(s_plain), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for a, b in zip(_dequantized_state(s_folded), _dequantized_state(s_plain), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+    for a, b in zip(jax.tree.leaves(p_folded), jax.tree.leaves(p_plain), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+    # The clip moved the step: without it the parameters differ by far more than the tolerance.
+    p_unclipped, _ = _run(coat(), fused=True)
+    gap = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(p_unclipped), jax.tree.leaves(p_plain), strict=True)
+    )
+    assert (gap > 1e-4) == (max_norm == 1.0), gap
+
+
+def test_folded_clip_writes_no_clipped_gradient():
+    # optax's clip selects between the gradient and its scaled copy, a whole pass over the
+    # gradient; folded into the fused apply, the gradient goes to the step as it is.
+    params, grads = _params(), _grads(0)
+    selects = {}
+    for name, clip in (("optax", optax.clip_by_global_norm), ("folded", optim.clip_by_global_norm)):
+        tx = optim.chain(clip(1.0), coat_jax.coat_adamw(1e-3, implementation="xla"))
+        jaxpr = jax.make_jaxpr(lambda p, s, g, tx=tx: optim.apply_gradients(tx, g, s, p))(
+            params, tx.init(params), grads
+        )
+        shapes = {g.shape for g in jax.tree.leaves(grads) if g.ndim}
+        selects[name] = [
+            e
+            for e in _equations(jaxpr.jaxpr)
+            if e.primitive.name == "select_n" and e.outvars[0].aval.shape in shapes
+        ]
+    assert selects["optax"], "optax's clip should select per gradient: the check proves nothing"
+    assert selects["folded"] == [], selects["folded"]
+
+
+def _assert_fused_step_is_the_update(tx):
+    """One step of ``tx``: the fused apply's parameters are update + apply's."""
+    params, grads = _params(), _grads(0)
+    fused = optim.apply_gradients(tx, grads, tx.init(params), params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    plain = optax.apply_updates(params, updates)
+    for a, b in zip(jax.tree.leaves(fused[0]), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_folded_clip_falls_back_behind_other_transformations():
+    # Only gradient scales fold; any other transformation before coat_adamw runs its update.
+    for first in (optax.clip(0.01), optax.scale(0.5)):
+        coat = coat_jax.coat_adamw(1e-2)
+        _assert_fused_step_is_the_update(optim.chain(optim.clip_by_global_norm(1.0), first, coat))
+
+
+def test_nested_chains_fold_their_scales():
+    # A chain inside a chain: the outer clip's factor reaches the inner chain's fused apply
+    # (folded again when the inner transformations scale too, applied to the gradients when not).
+    for inner_first in (optim.clip_by_global_norm(2.0), optax.scale(0.5)):
+        coat = coat_jax.coat_adamw(1e-2, implementation="xla")
+        _assert_fused_step_is_the_update(
+            optim.chain(optim.clip_by_global_norm(1.0), optim.chain(inner_first, coat))
+        )
+
+
+def test_grad_scale_needs_the_fused_apply():
+    tx = coat_jax.scale_by_coat_adam(implementation="xla")
+    params = {"w": jnp.ones((8, 128))}
+    with pytest.raises(ValueError, match="fused apply only"):
+        tx.update.step(params, tx.init(params), params, grad_scale=jnp.float32(0.5))

@@ -66,6 +66,7 @@ def run_steps(prog, steps: int = 3, seed: int = 0):
     "extra",
     [
         ["precision=coat", "optimizer=coat_adamw"],
+        ["precision=coat", "optimizer=coat_adamw", "fp8_weight_residual=master"],
         ["precision=coat", "optimizer=coat_adamw", "fused_apply=false"],
         ["precision=bf16", "optimizer=adamw"],
         # Tied head: the embedding's gradient adds the head's and the lookup's.
@@ -79,7 +80,15 @@ def run_steps(prog, steps: int = 3, seed: int = 0):
         ],
         ["precision=fp8", "optimizer=lion"],
     ],
-    ids=["coat", "coat-unfused", "bf16-adamw", "tied", "chunked-fp8attn-fp8weights", "fp8-lion"],
+    ids=[
+        "coat",
+        "coat-master-weights",
+        "coat-unfused",
+        "bf16-adamw",
+        "tied",
+        "chunked-fp8attn-fp8weights",
+        "fp8-lion",
+    ],
 )
 def test_equals_the_plain_step(extra):
     plain = run_steps(program(*extra))
@@ -107,6 +116,42 @@ def test_bfloat16_masters():
     assert out[0][0] == plain[2][0][0]
     np.testing.assert_allclose([o[0] for o in out], [o[0] for o in plain[2]], rtol=2e-2)
     assert out[-1][0] < out[0][0]
+
+
+def _stacked_fp8_outputs(prog) -> list[tuple]:
+    """Shapes of the E4M3 arrays that the step's first scan (the forward) stacks as outputs,
+    among those shaped like a stacked linear weight."""
+    layers = prog.abstract_params["layers"]
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(layers) if x.ndim == 3}
+    jaxpr = jax.make_jaxpr(prog.step_fn)(
+        prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()
+    )
+
+    def scans(jx):
+        for e in jx.eqns:
+            if e.primitive.name == "scan":
+                yield e
+            for v in e.params.values():
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):
+                    yield from scans(sub)
+
+    forward = next(scans(jaxpr.jaxpr))
+    return sorted(
+        tuple(v.aval.shape)
+        for v in forward.outvars
+        if v.aval.dtype == jnp.float8_e4m3fn and tuple(v.aval.shape) in stacked
+    )
+
+
+def test_weight_codes_made_once_are_not_stacked_again():
+    # fp8_weight_residual "once": the stacked codes are made before the forward scan and read
+    # back by index in backward; "fp8" stacks forward's codes as the scan's residuals (so the
+    # check can fail).
+    once = program("optimizer_in_backward=true", "fp8_weight_residual=once")
+    fp8 = program("optimizer_in_backward=true", "fp8_weight_residual=fp8")
+    assert _stacked_fp8_outputs(once) == []
+    assert len(_stacked_fp8_outputs(fp8)) == 7
 
 
 def _compiled_temp_bytes(prog) -> int:

@@ -288,11 +288,12 @@ def test_fp8_weight_residual_gives_bit_identical_logits_and_gradients(scan, rema
             return jnp.mean(nll), logits
 
         out[option] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
-    leaves = [jax.tree.leaves(out[o]) for o in WEIGHT_RESIDUALS]
-    assert len(leaves[0]) == len(leaves[1]) > 3
-    for a, b in zip(*leaves, strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    master = jax.tree.leaves(out["master"])
+    assert len(master) > 3
+    for option in WEIGHT_RESIDUALS[1:]:
+        for a, b in zip(master, jax.tree.leaves(out[option]), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def _weight_codes_kept(option, remat, *, scan=True):
@@ -325,10 +326,14 @@ def test_backward_keeps_fp8_weight_codes_only_with_fp8(remat):
     # every layer, stacked by the scan; "full" and "attention" recompute them in backward.
     expected = _projection_shapes(True) if remat in ("none", "activations") else []
     assert _weight_codes_kept("fp8", remat) == expected
+    # "once" quantizes the stacked weights before the scan, outside every layer's remat: its
+    # codes live for the whole step under every policy, once each (never stacked a second time).
+    assert _weight_codes_kept("once", remat) == _projection_shapes(True)
 
 
 def test_unrolled_layers_keep_each_layers_codes():
     assert _weight_codes_kept("fp8", "activations", scan=False) == _projection_shapes(False)
+    assert _weight_codes_kept("once", "full", scan=False) == _projection_shapes(False)
     assert _weight_codes_kept("master", "none", scan=False) == []
 
 

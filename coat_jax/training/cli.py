@@ -32,7 +32,10 @@ DESCRIPTIONS = {
     "precision": "bf16: plain ops; fp8: FP8 linear layers; coat: COAT's full FP8 flow",
     "compute_dtype": "dtype of activations and attention",
     "fp8_attention": "keep attention's q, k, v in FP8 for backward (fp8 and coat precision)",
-    "fp8_weight_residual": "master: backward re-quantizes weights; fp8: keeps forward's FP8 codes",
+    "fp8_weight_residual": (
+        "once (default): all weights quantized once per step, before the layers; "
+        "master: forward and backward quantize, nothing kept; fp8: keeps forward's FP8 codes"
+    ),
     "fp8_group_scale": "1x16 activation scales: float32 (COAT) or e8m0 (power of two, 1 byte)",
     "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",

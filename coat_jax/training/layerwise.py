@@ -176,29 +176,35 @@ def make_train_step(
         layer, stacked_state = bind(head_params, embed_params).scanned_layer()
         num_layers = jax.tree.leaves(layers)[0].shape[0]
 
-        def layer_on_dict(p_l, x_BTD):
+        def layer_on_dict(p_l, x_BTD, codes_l):
             state = jax.tree.map(lambda a: a, stacked_state)
             nnx.replace_by_pure_dict(state, p_l)
-            return layer(x_BTD, state, positions_BT)
+            return layer(x_BTD, state, positions_BT, codes_l)
+
+        # fp8_weight_residual "once": every layer's FP8 weight codes, made before the forward
+        # scan (one pass over the stacked weights) and read by both scans; None otherwise.
+        codes = bind(head_params, embed_params).weight_codes(stacked_state)
 
         x_BTD, embed_vjp = jax.vjp(lambda e: bind(head_params, e).embed(inputs_BT), embed_params)
 
         # What a layer's pullback holds, as a static record filled while tracing the scan body:
-        # its tree structure, and for each leaf the index of the layer weight it is (None: a
-        # residual that the scan stacks).
+        # its tree structure, and for each leaf the index of the layer weight or weight code it
+        # is (None: a residual that the scan stacks). Weights and codes are read back from the
+        # stacks in backward instead of being stacked a second time.
         layout = {}
 
-        def forward(x_BTD, p_l):
-            y_BTD, pullback = jax.vjp(layer_on_dict, p_l, x_BTD)
+        def forward(x_BTD, xs):
+            p_l, codes_l = xs
+            y_BTD, pullback = jax.vjp(lambda p, x: layer_on_dict(p, x, codes_l), p_l, x_BTD)
             leaves, layout["treedef"] = jax.tree.flatten(pullback)
-            weights = jax.tree.leaves(p_l)
+            weights = jax.tree.leaves((p_l, codes_l))
             layout["weight"] = [
                 next((k for k, w in enumerate(weights) if leaf is w), None) for leaf in leaves
             ]
             kept = [leaf for leaf, k in zip(leaves, layout["weight"], strict=True) if k is None]
             return y_BTD, kept
 
-        h_BTD, residuals = lax.scan(forward, x_BTD, layers)
+        h_BTD, residuals = lax.scan(forward, x_BTD, (layers, codes))
 
         def head(h, e, h_BTD):
             model = bind(h, e)
@@ -227,7 +233,7 @@ def make_train_step(
         def backward(carry, xs):
             g_BTD, layers, states, p_l, s_l, head_params, sum_sq = carry
             kept, i = xs
-            weights, kept = jax.tree.leaves(p_l), iter(kept)
+            weights, kept = jax.tree.leaves((p_l, _at(codes, i))), iter(kept)
             leaves = [next(kept) if k is None else weights[k] for k in layout["weight"]]
             pullback = jax.tree.unflatten(layout["treedef"], leaves)
             g_l, g_BTD = pullback(g_BTD)

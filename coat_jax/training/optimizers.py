@@ -34,7 +34,7 @@ from optax import contrib
 
 from coat_jax.fp8_wrapper import fp8_state
 from coat_jax.optim import chain as optim_chain
-from coat_jax.optim import coat_adamw
+from coat_jax.optim import clip_by_global_norm, coat_adamw
 from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
 
@@ -145,8 +145,9 @@ def make_optimizer(
         if cfg.fp8_state:
             tx = fp8_state(tx, formats={"signed": cfg.mu_format, "nonnegative": cfg.nu_format})
     if cfg.grad_clip is not None:
-        # coat_jax.optim.chain keeps coat_adamw's fused apply behind the clipping.
-        tx = optim_chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
+        # coat_jax.optim.chain keeps coat_adamw's fused apply behind the clipping, which it
+        # folds into the kernel as a gradient scale.
+        tx = optim_chain(clip_by_global_norm(cfg.grad_clip), tx)
     return skip_nonfinite(tx) if cfg.skip_nonfinite_steps else tx
 
 

@@ -74,7 +74,13 @@ from jax import lax
 
 from coat_jax import quant
 from coat_jax.fp8_wrapper import _field_name, _owner, find_fp8_states
-from coat_jax.optim import DEFAULT_GROUP_SIZE, _moment_of, _moments_of, find_coat_states
+from coat_jax.optim import (
+    DEFAULT_GROUP_SIZE,
+    _moment_of,
+    _moments_of,
+    clip_factor,
+    find_coat_states,
+)
 from coat_jax.training.config import TrainConfig
 from coat_jax.training.optimizers import make_optimizer
 from coat_jax.training.sharding import _is_stacked_layer
@@ -411,10 +417,9 @@ class StateTelemetry:
         gs = self.group_size
         grads = [_sample(p, g) for p, g in zip(plans, jax.tree.leaves(grads32), strict=True)]
         if self.grad_clip is not None:
-            # optax.clip_by_global_norm's arithmetic, on the sample of the gradient it clips.
-            g_norm = optax.tree.norm(grads32)
-            trigger = jnp.squeeze(g_norm < self.grad_clip)
-            grads = [lax.select(trigger, g, (g / g_norm) * self.grad_clip) for g in grads]
+            # The trainer's clip (coat_jax.optim.clip_by_global_norm), on the sample.
+            factor = clip_factor(optax.tree.norm(grads32), self.grad_clip)
+            grads = [g * factor for g in grads]
         if kind == "coat":
             # COAT's replay is element-wise: every tensor's groups at once.
             return {
