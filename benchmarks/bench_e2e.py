@@ -247,13 +247,17 @@ def worker(args) -> None:
     record("init", init_s=round(init_s, 1), memory_stats=C.memory_stats())
     rng = jax.random.key(1)
 
-    def run_at(batch: int, reps: int):
-        nonlocal params, opt_state
-        compiled, mem = compile_at(batch)
+    def tokens_at(batch: int):
+        """The random token batch timed at ``batch``, on the trainer's batch sharding."""
         tokens = jax.random.randint(
             jax.random.fold_in(rng, batch), (1, batch, seq + 1), 0, config.vocab_size, jnp.int32
         )
-        tokens = jax.device_put(tokens, program.batch_sharding)
+        return jax.device_put(tokens, program.batch_sharding)
+
+    def run_at(batch: int, reps: int):
+        nonlocal params, opt_state
+        compiled, mem = compile_at(batch)
+        tokens = tokens_at(batch)
         losses = []
 
         def one():
@@ -282,10 +286,7 @@ def worker(args) -> None:
 
         nonlocal params, opt_state
         compiled, _ = compile_at(batch)
-        tokens = jax.device_put(
-            jax.random.randint(rng, (1, batch, seq + 1), 0, config.vocab_size, jnp.int32),
-            program.batch_sharding,
-        )
+        tokens = tokens_at(batch)
 
         def call():
             nonlocal params, opt_state
