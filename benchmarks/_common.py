@@ -136,6 +136,32 @@ def time_fn(call, *, warmup: int, reps: int) -> dict:
     }
 
 
+def time_pipelined(dispatch, fetch, *, warmup: int, reps: int) -> dict:
+    """Seconds per step with one step in flight, as ``train.py``'s loop runs its steps.
+
+    ``dispatch()`` starts a step and returns its handle; ``fetch(handle)`` waits for that step.
+    Each iteration starts the next step, then waits for the previous one (``train.py``: the
+    metrics of step ``k`` are fetched once step ``k + 1`` is queued), so the host's dispatch of
+    a step overlaps the device's work on the one before. The times are the intervals between
+    the instants consecutive steps are seen done (how ``train.py`` times its tokens/s).
+    """
+    pending = dispatch()
+    seen = []
+    for _ in range(warmup + reps + 1):
+        following = dispatch()
+        fetch(pending)
+        seen.append(time.perf_counter())
+        pending = following
+    fetch(pending)
+    times = [b - a for a, b in zip(seen[warmup:-1], seen[warmup + 1 :], strict=True)]
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "reps": reps,
+    }
+
+
 def append_jsonl(path: str, record: dict) -> None:
     """Appends one record and flushes it, so a run killed at its time limit keeps what it had."""
     with open(path, "a") as f:

@@ -25,6 +25,7 @@ the cost of the wrapper, which should be none).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -50,15 +51,45 @@ SECTION = "## Optimizer step (issue 3)"
 INTERPRET = False
 
 
-def llama2_7b_shapes(layers: int, hidden=4096, intermediate=11008, vocab=32000):
-    """Llama-2-7B's parameter shapes, Flax layout (kernels are [in, out])."""
+def llama2_7b_shapes(
+    layers: int, hidden=4096, intermediate=11008, vocab=32000, *, stacked: bool = False
+):
+    """Llama-2-7B's parameter shapes, Flax layout (kernels are [in, out]).
+
+    ``stacked``: one array per projection with a leading layer axis, the layout of
+    ``train.py`` with ``scan_layers: true`` (the 7B config's); else one array per layer.
+    """
     shapes = {"embed": (vocab, hidden), "final_norm": (hidden,), "lm_head": (hidden, vocab)}
+    layer = {name: (hidden, hidden) for name in ("q", "k", "v", "o")}
+    layer |= {"gate": (hidden, intermediate), "up": (hidden, intermediate)}
+    layer |= {"down": (intermediate, hidden), "attn_norm": (hidden,), "mlp_norm": (hidden,)}
+    if stacked:
+        shapes["layers"] = {name: (layers, *shape) for name, shape in layer.items()}
+        return shapes
     for i in range(layers):
-        layer = {name: (hidden, hidden) for name in ("q", "k", "v", "o")}
-        layer |= {"gate": (hidden, intermediate), "up": (hidden, intermediate)}
-        layer |= {"down": (intermediate, hidden), "attn_norm": (hidden,), "mlp_norm": (hidden,)}
-        shapes[f"layer_{i:02d}"] = layer
+        shapes[f"layer_{i:02d}"] = dict(layer)
     return shapes
+
+
+def parse_setting(text: str) -> ca.KernelConfig:
+    """A kernel launch setting from ``rows/warps[/sN][/tN][/flat][/exact]``, e.g. ``16/4/t4/s2``.
+
+    Example:
+      >>> parse_setting("32/8/t2/flat")
+      KernelConfig(block_rows=32, num_warps=8, num_stages=1, fast_math=True, flat_stats=True, tiles=2)
+    """
+    rows, warps, *rest = text.split("/")
+    kw = dict(block_rows=int(rows), num_warps=int(warps))
+    for part in rest:
+        if part == "flat":
+            kw["flat_stats"] = True
+        elif part == "exact":
+            kw["fast_math"] = False
+        elif part[:1] in ("s", "t") and part[1:].isdigit():
+            kw["num_stages" if part[0] == "s" else "tiles"] = int(part[1:])
+        else:
+            raise ValueError(f"unknown part {part!r} of kernel setting {text!r}")
+    return ca.KernelConfig(**kw)
 
 
 def is_shape(x):
@@ -224,20 +255,22 @@ def sweep(args, grads_dtype):
     shapes = {"layer": llama2_7b_shapes(1)["layer_00"]}
     grads = make_tree(shapes, grads_dtype, seed=2, scale=1e-3)
     rows = []
-    settings = [(16, 4, True), (32, 4, True), (32, 8, True), (16, 4, False)][: args.sweep]
-    for block_rows, num_warps, fast_math in settings:
-        cfg = ca.KernelConfig(block_rows=block_rows, num_warps=num_warps, fast_math=fast_math)
+    if args.sweep_settings:
+        settings = [parse_setting(t) for t in args.sweep_settings.split(",") if t]
+    else:
+        settings = ["16/4", "32/4", "32/8", "16/4/exact"][: args.sweep]
+        settings = [parse_setting(t) for t in settings]
+    for cfg in settings:
         init, step = fused_coat_adamw(cfg)
         try:
             r = run_optimizer(str(cfg), init, step, shapes, grads, args)
         except Exception as e:  # report and carry on: one bad setting must not end the run
             print(f"sweep {cfg}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
             continue
-        r["config"] = dict(block_rows=block_rows, num_warps=num_warps, fast_math=fast_math)
+        r["config"] = dataclasses.asdict(cfg)
         print(
-            f"sweep bs={block_rows:3d} warps={num_warps} fast={fast_math!s:5}: "
-            f"{r['median_s'] * 1e3:8.3f} ms  {r['bytes_moved'] / r['median_s'] / 1e12:6.2f}"
-            " TB/s",
+            f"sweep {cfg}: {r['median_s'] * 1e3:8.3f} ms  "
+            f"{r['bytes_moved'] / r['median_s'] / 1e12:6.2f} TB/s",
             flush=True,
         )
         rows.append(r)
@@ -320,7 +353,17 @@ def main(argv=None):
         "--sweep", type=int, default=0, metavar="N", help="also time N (<= 4) kernel settings"
     )
     ap.add_argument(
+        "--sweep-settings",
+        default="",
+        help="comma-separated launch settings to sweep instead (rows/warps[/sN][/tN][/flat])",
+    )
+    ap.add_argument(
         "--best-full", action="store_true", help="also run the whole tree with the sweep's best"
+    )
+    ap.add_argument(
+        "--stacked",
+        action="store_true",
+        help="one array per projection with a layer axis (train.py's scan_layers layout)",
     )
     ap.add_argument("--only", default="", help="comma-separated subset of optimizer names")
     ap.add_argument("--docs", type=Path, help="markdown file to write the results section into")
@@ -344,6 +387,7 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python " + " ".join(sys.argv),
         "layers": args.layers,
+        "stacked": args.stacked,
         "grad_dtype": args.grad_dtype,
         "reps": args.reps,
         "steps": args.steps,
@@ -354,14 +398,18 @@ def main(argv=None):
     print({k: f"{v / 1e12:.3f} TB/s" for k, v in copy_bw.items()}, flush=True)
 
     grad_dtype = jnp.dtype(args.grad_dtype)
-    sweep_rows = sweep(args, grad_dtype) if args.sweep else []
+    sweep_rows = sweep(args, grad_dtype) if args.sweep or args.sweep_settings else []
     best = None
     if sweep_rows:
         best = ca.KernelConfig(**min(sweep_rows, key=lambda r: r["median_s"])["config"])
         print("best kernel setting:", best, flush=True)
 
     shapes = llama2_7b_shapes(
-        args.layers, 4096 // args.width, 11008 // args.width, 32000 // args.width
+        args.layers,
+        4096 // args.width,
+        11008 // args.width,
+        32000 // args.width,
+        stacked=args.stacked,
     )
     grads = make_tree(shapes, grad_dtype, seed=2, scale=1e-3)
     meta["n_params"] = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=is_shape))

@@ -349,19 +349,39 @@ class KernelConfig:
         the reciprocal. Codes change only at rounding ties; the DRE exponent k, which a floor
         makes discontinuous, and the centre stay exactly the reference's computation. Measured
         on an H200: 3.4x faster than exact arithmetic (docs/notes_optimizer_kernel.md).
+      flat_stats: compute the per-group statistics (DRE exponent, centre, scale, and the
+        reciprocals the element work multiplies by) on a vector of the tile's groups rather
+        than on the ``[groups, 1]`` column the row reductions give. Triton lays that column out
+        across all of a warp's lanes, each lane repeating every group's scalar arithmetic; a
+        flat vector lets the compiler spread the groups over the lanes. Same values either way.
+      tiles: tiles of ``block_rows`` groups each program handles, one after another in a loop
+        (with ``num_stages > 1`` Triton may prefetch the next tile's loads under the current
+        tile's arithmetic). ``1``: one tile per program, no loop.
     """
 
-    # Best of the settings timed on an H200 (docs/benchmarks.md).
+    # Best of the settings timed on an H200 (docs/benchmarks.md, docs/notes_optimizer_kernel.md:
+    # 11 settings on one Llama-2-7B layer, 2026-12-02).
     block_rows: int = 16
     num_warps: int = 4
     num_stages: int = 1
     fast_math: bool = True
+    flat_stats: bool = True
+    tiles: int = 1
 
     def __post_init__(self):
-        for name in ("block_rows", "num_warps", "num_stages"):
+        for name in ("block_rows", "num_warps", "tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two, got {value!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages <= 0:
+            raise ValueError(
+                f"KernelConfig.num_stages must be a positive int, got {self.num_stages!r}"
+            )
+        if not isinstance(self.flat_stats, bool) or not isinstance(self.fast_math, bool):
+            raise ValueError(
+                f"KernelConfig.fast_math and flat_stats must be bools, got {self.fast_math!r} "
+                f"and {self.flat_stats!r}"
+            )
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -500,32 +520,53 @@ def _log2_ratio(mx, mn):
     return jnp.log2(jnp.where(finite, ratio, mx)) - jnp.log2(jnp.where(finite, 1.0, mn))
 
 
-def _dequantize(codes, scale, expand, center, math_: _Math):
+def _flat(column, flat: bool):
+    """A per-group ``[groups, 1]`` column as a ``[groups]`` vector when ``flat`` (else as is)."""
+    return column.reshape(column.shape[0]) if flat else column
+
+
+def _column(v, flat: bool):
+    """The inverse of :func:`_flat`: a per-group value as a ``[groups, 1]`` column."""
+    return v[:, None] if flat else v
+
+
+def _dequantize(codes, scale, expand, center, math_: _Math, flat: bool = False):
     """Float32 moment of one tile, as :meth:`QuantizedTensor.dequantize` computes it."""
     q = codes.astype(jnp.float32)
     y = q * scale
     if expand is None:
         return y
+    inv_expand = _column(math_.reciprocal(_flat(expand, flat)), flat)
     # |y| >= smallest code * scale >= 2**-16 / 57344: never subnormal, so lg2 may flush.
-    return _copysign(math_.power(jnp.abs(y), math_.reciprocal(expand), ftz_log=True), y) * center
+    return _copysign(math_.power(jnp.abs(y), inv_expand, ftz_log=True), y) * center
 
 
-def _quantize(x, fmt, expansion, expand_min, log2_range, math_: _Math):
+def _quantize(x, fmt, expansion, expand_min, log2_range, math_: _Math, flat: bool = False):
     """Codes and statistics of one tile of groups (one group per row), as the reference does.
 
     The statistics repeat ``quant.dre_statistics`` / ``quant.quantize_absmax`` operation by
     operation up to the exponent k, which a floor makes discontinuous; the centre and scale,
-    continuous in their inputs, and the per-element work follow ``math_``.
+    continuous in their inputs, and the per-element work follow ``math_``. With ``flat`` the
+    per-group arithmetic runs on ``[groups]`` vectors (``KernelConfig.flat_stats``): the same
+    operations on the same values.
     """
     fmax = quant.FP8_MAX[fmt]
     dtype = quant.FORMATS[fmt]
     a = jnp.abs(x)
+
+    def per_element_divide(v, d):
+        # ``v / d`` for a per-group ``d``: the reciprocal (fast math) taken per group.
+        if math_.fast:
+            return v * _column(math_.reciprocal(d), flat)
+        return v / _column(d, flat)
+
     if not expansion:
-        scale = (jnp.max(a, axis=1, keepdims=True) + quant.ABSMAX_TINY) / fmax
-        codes = jnp.clip(math_.divide(x, scale), -fmax, fmax).astype(dtype)
-        return codes, (scale,)
-    mx = jnp.max(a, axis=1, keepdims=True) + quant.DRE_TINY
-    nonzero_min = jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True)
+        scale = _flat(jnp.max(a, axis=1, keepdims=True), flat) + quant.ABSMAX_TINY
+        scale = scale / fmax
+        codes = jnp.clip(per_element_divide(x, scale), -fmax, fmax).astype(dtype)
+        return codes, (_column(scale, flat),)
+    mx = _flat(jnp.max(a, axis=1, keepdims=True), flat) + quant.DRE_TINY
+    nonzero_min = _flat(jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True), flat)
     mn = jnp.where(jnp.isfinite(nonzero_min), nonzero_min, 0.0) + quant.DRE_TINY
     c = jnp.sqrt(mx) * jnp.sqrt(mn)
     k = jnp.floor(log2_range / _log2_ratio(mx, mn) * expand_min) / expand_min
@@ -534,9 +575,9 @@ def _quantize(x, fmt, expansion, expand_min, log2_range, math_: _Math):
     # An ex2 result below 2**-126 ends as code 0 after the division by s >= 1 / fmax, so the
     # exponential may flush; the log's argument |x / c| stays exact (extreme groups reach
     # subnormal ratios).
-    y = _copysign(math_.power(jnp.abs(math_.divide(x, c)), k, ftz_exp=True), x)
-    codes = jnp.clip(math_.divide(y, s), -fmax, fmax).astype(dtype)
-    return codes, (s, k, c)
+    y = _copysign(math_.power(jnp.abs(per_element_divide(x, c)), _column(k, flat), ftz_exp=True), x)
+    codes = jnp.clip(per_element_divide(y, s), -fmax, fmax).astype(dtype)
+    return codes, (_column(s, flat), _column(k, flat), _column(c, flat))
 
 
 def _kernel(
@@ -547,8 +588,10 @@ def _kernel(
     n_rows: int,
     n_cols: int,
     block_rows: int,
+    tiles: int,
     apply: bool,
     fast_math: bool,
+    flat: bool,
     native: bool,
 ):
     n_moment = 4 if spec.expansion else 2
@@ -560,64 +603,87 @@ def _kernel(
     nu_out = refs[3 * n_moment + 1 :]
     gs = spec.group_size
     math_ = _Math(fast_math, native)
-
+    h = [hyper_ref[i] for i in range(_GRAD_SCALE + 1)]
+    expand_min = h[_EXPAND_MIN]
     # Masks only where the shape leaves a ragged edge, so the common case issues plain loads.
-    row_mask = col_mask = None
-    if n_rows % block_rows:
-        rows = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
-        row_mask = rows < n_rows
+    ragged_rows = n_rows % (block_rows * tiles) != 0
+    # Read once, outside the tile loop (interpret mode has no program id inside a loop body).
+    first_row = pl.program_id(0) * (tiles * block_rows)
+    col_mask = None
     if n_cols % gs:
         cols = pl.program_id(1) * gs + lax.broadcasted_iota(jnp.int32, (1, gs), 1)
         col_mask = cols < n_cols
-    if row_mask is None or col_mask is None:
-        tile_mask = row_mask if col_mask is None else col_mask
-    else:
-        tile_mask = row_mask & col_mask
 
-    def load(ref, mask, other):
-        if mask is None:
-            return ref[...]
-        return pl_triton.load(ref, mask=mask, other=jnp.asarray(other, ref.dtype))
-
-    def store(ref, value, mask):
-        if mask is None:
-            ref[...] = value.astype(ref.dtype)
+    def tile(t):
+        # Tile t of this program's `tiles`: its rows of every block.
+        first = t * block_rows
+        window = pl.ds(pl.multiple_of(first, block_rows), block_rows) if tiles > 1 else slice(None)
+        row_mask = None
+        if ragged_rows:
+            rows = (first_row + first) + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+            row_mask = rows < n_rows
+        if row_mask is None or col_mask is None:
+            tile_mask = row_mask if col_mask is None else col_mask
         else:
-            pl_triton.store(ref, value.astype(ref.dtype), mask=mask)
+            tile_mask = row_mask & col_mask
 
-    def moment_in(moment_refs):
-        codes = load(moment_refs[0], tile_mask, 0)
-        # Statistics of padding rows read as 1 so those rows compute finite garbage.
-        stats = [load(r, row_mask, 1) for r in moment_refs[1:]]
-        if not spec.expansion:
-            return _dequantize(codes, stats[0], None, None, math_)
-        return _dequantize(codes, *stats, math_)
+        def load(ref, mask, other):
+            view = ref.at[window, :]
+            if mask is None:
+                return view[...]
+            return pl_triton.load(view, mask=mask, other=jnp.asarray(other, ref.dtype))
 
-    def moment_out(moment_refs, x, fmt, log2_range):
-        codes, stats = _quantize(x, fmt, spec.expansion, expand_min, log2_range, math_)
-        store(moment_refs[0], codes, tile_mask)
-        for r, value in zip(moment_refs[1:], stats, strict=True):
-            store(r, value, row_mask)
+        def store(ref, value, mask):
+            view = ref.at[window, :]
+            if mask is None:
+                view[...] = value.astype(ref.dtype)
+            else:
+                pl_triton.store(view, value.astype(ref.dtype), mask=mask)
 
-    h = [hyper_ref[i] for i in range(_GRAD_SCALE + 1)]
-    expand_min = h[_EXPAND_MIN]
-    # The gradient times its clip factor (exactly 1 unless the caller clips).
-    g = load(grad_ref, tile_mask, 0).astype(jnp.float32) * h[_GRAD_SCALE]
-    m = moment_in(mu_in)
-    v = moment_in(nu_in)
-    # adam_moments_and_update, operation by operation.
-    m = h[_B1] * m + h[_C1] * g
-    v = h[_B2] * v + h[_C2] * g * g
-    update = math_.adam_direction(math_.divide(m, h[_BC1]), math_.divide(v, h[_BC2]), h[_EPS])
-    update = update.astype(grad_ref.dtype)
-    if apply:
-        p = load(param_ref, tile_mask, 0).astype(jnp.float32)
-        u = update.astype(jnp.float32) + h[_WD] * p
-        store(out_ref, p + u * h[_NEG_LR], tile_mask)
+        def moment_in(moment_refs):
+            codes = load(moment_refs[0], tile_mask, 0)
+            # Statistics of padding rows read as 1 so those rows compute finite garbage.
+            stats = [load(r, row_mask, 1) for r in moment_refs[1:]]
+            if not spec.expansion:
+                return _dequantize(codes, stats[0], None, None, math_, flat)
+            return _dequantize(codes, *stats, math_, flat)
+
+        def moment_out(moment_refs, x, fmt, log2_range):
+            codes, stats = _quantize(x, fmt, spec.expansion, expand_min, log2_range, math_, flat)
+            store(moment_refs[0], codes, tile_mask)
+            for r, value in zip(moment_refs[1:], stats, strict=True):
+                store(r, value, row_mask)
+
+        # The gradient times its clip factor (exactly 1 unless the caller clips).
+        g = load(grad_ref, tile_mask, 0).astype(jnp.float32) * h[_GRAD_SCALE]
+        m = moment_in(mu_in)
+        v = moment_in(nu_in)
+        # adam_moments_and_update, operation by operation.
+        m = h[_B1] * m + h[_C1] * g
+        v = h[_B2] * v + h[_C2] * g * g
+        update = math_.adam_direction(math_.divide(m, h[_BC1]), math_.divide(v, h[_BC2]), h[_EPS])
+        update = update.astype(grad_ref.dtype)
+        if apply:
+            p = load(param_ref, tile_mask, 0).astype(jnp.float32)
+            u = update.astype(jnp.float32) + h[_WD] * p
+            store(out_ref, p + u * h[_NEG_LR], tile_mask)
+        else:
+            store(out_ref, update, tile_mask)
+        moment_out(mu_out, m, spec.mu_format, h[_RANGE_MU])
+        moment_out(nu_out, v, spec.nu_format, h[_RANGE_NU])
+
+    def body(t, carry):
+        tile(t)
+        return carry
+
+    if tiles == 1:
+        tile(0)
+    elif not ragged_rows:
+        lax.fori_loop(0, tiles, body, 0)
     else:
-        store(out_ref, update, tile_mask)
-    moment_out(mu_out, m, spec.mu_format, h[_RANGE_MU])
-    moment_out(nu_out, v, spec.nu_format, h[_RANGE_NU])
+        # Tiles wholly past the array's end (the last program's) would only mask everything.
+        left = n_rows - first_row
+        lax.fori_loop(0, jnp.minimum(tiles, (left + block_rows - 1) // block_rows), body, 0)
 
 
 def _next_pow2(n: int) -> int:
@@ -668,10 +734,12 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
     else:
         view_rows, view_cols, view_groups = rows, n, n_groups
     block_rows = min(config.block_rows, _next_pow2(view_rows))
-    grid = (pl.cdiv(view_rows, block_rows), view_groups)
+    tiles = min(config.tiles, _next_pow2(pl.cdiv(view_rows, block_rows)))
+    rows_per_program = block_rows * tiles
+    grid = (pl.cdiv(view_rows, rows_per_program), view_groups)
 
-    data_spec = pl.BlockSpec((block_rows, gs), lambda i, j: (i, j))
-    stat_spec = pl.BlockSpec((block_rows, 1), lambda i, j: (i, j))
+    data_spec = pl.BlockSpec((rows_per_program, gs), lambda i, j: (i, j))
+    stat_spec = pl.BlockSpec((rows_per_program, 1), lambda i, j: (i, j))
     hyper_spec = pl.BlockSpec((_HYPER_SIZE,), lambda i, j: (0,))
 
     def data(x):
@@ -702,8 +770,10 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
         n_rows=view_rows,
         n_cols=view_cols,
         block_rows=block_rows,
+        tiles=tiles,
         apply=apply,
         fast_math=config.fast_math,
+        flat=config.flat_stats,
         native=not interpret,
     )
     compiler_params = (

@@ -165,6 +165,67 @@ def test_exact_math_and_other_launch_settings(mode):
             _assert_stats_match(got, want, f"step {t} {name}")
 
 
+LAUNCH_VARIANTS = [
+    ca.KernelConfig(flat_stats=False),
+    ca.KernelConfig(block_rows=4, tiles=4),
+    ca.KernelConfig(block_rows=2, tiles=2, flat_stats=True, num_stages=2),
+]
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize("config", LAUNCH_VARIANTS, ids=str)
+@pytest.mark.parametrize(
+    "shape,expansion",
+    # 74 groups: tile loops with a ragged last program (4 x 4 rows: 74 = 4 * 16 + 10); 32
+    # groups: whole programs only; 300 columns: masked short groups, one row per program.
+    [((37, 256), True), ((8, 512), True), ((5, 300), True), ((37, 256), False)],
+)
+def test_flat_statistics_and_tile_loops_equal_the_default_launch(mode, config, shape, expansion):
+    """``flat_stats`` (default on) and ``tiles`` reorganise the launch, not the arithmetic: the
+    kernel's outputs equal the default launch's bit for bit (interpret mode; on a GPU the compiler may
+    schedule the fast-math instructions differently, so there the reference's bounds apply),
+    in the update path and the fused apply."""
+    spec = ca.MomentSpec(expansion=expansion, nu_format="e5m2")
+    variant, default = _step_fn(mode, spec, config), _step_fn(mode, spec)
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
+    grads = _fixed_sign_grads(jax.random.key(11), shape, jnp.float32, 3)
+    for t, g in enumerate(grads, start=1):
+        got = variant(g, mu, nu, jnp.int32(t))
+        want = default(g, mu, nu, jnp.int32(t))
+        if mode == "interpret":
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {t}")
+        u_ref, mu, nu = _reference_step(g, mu, nu, jnp.int32(t), spec)
+        np.testing.assert_allclose(got[0], u_ref, rtol=1e-5, atol=0)
+        for moment, ref, name in ((got[1], mu, "mu"), (got[2], nu, "nu")):
+            _assert_codes_match(moment.codes, ref.codes, f"step {t} {name}")
+            _assert_stats_match(moment, ref, f"step {t} {name}")
+    kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, **HYPER)
+
+    def apply(config):
+        return jax.jit(
+            lambda p, g, mu, nu: ca.coat_adamw_apply(
+                p,
+                g,
+                mu,
+                nu,
+                count=jnp.int32(4),
+                implementation="pallas",
+                interpret=mode == "interpret",
+                config=config,
+                **kw,
+            )
+        )
+
+    p = jax.random.normal(jax.random.key(12), shape, jnp.float32)
+    got, want = apply(config)(p, grads[0], mu, nu), apply(None)(p, grads[0], mu, nu)
+    p_ref = ca.coat_adamw_apply_reference(p, grads[0], mu, nu, count=jnp.int32(4), **kw)[0]
+    np.testing.assert_allclose(got[0], p_ref, rtol=1e-6, atol=3e-3 * 1e-5)
+    if mode == "interpret":
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("mode", BACKENDS)
 @pytest.mark.parametrize("shape,expansion", [((5, 300), True), ((3, 256), False)])
 def test_kernel_matches_reference_with_cancellation(mode, shape, expansion):
