@@ -735,6 +735,133 @@ fp8_add.defvjp(_fp8_add_fwd, _fp8_add_bwd)
 
 
 # --------------------------------------------------------------------------------------------
+# observed ops: the same ops, also returning the scales they quantized with (telemetry)
+
+
+def _observed(op, fwd, bwd, saved_scales):
+    """``op`` (a ``custom_vjp`` with forward ``fwd`` and backward ``bwd``) as a ``custom_vjp``
+    returning ``(out, saved_scales(residuals))``: the scales of the FP8 tensors its forward
+    keeps for backward, the very arrays backward reads, in their stored form. Forward and
+    backward are ``op``'s own; the scales' cotangent is dropped (a scale is a statistic of the
+    input, held constant as the FP8 rounding is)."""
+
+    def observed(*args):
+        return observed_fwd(*args)[0]
+
+    def observed_fwd(*args):
+        out, res = fwd(*args)
+        return (out, saved_scales(res)), res
+
+    def observed_bwd(*args):
+        *static, res, (dy, _) = args
+        return bwd(*static, res, dy)
+
+    observed = jax.custom_vjp(observed, nondiff_argnums=op.nondiff_argnums)
+    observed.defvjp(observed_fwd, observed_bwd)
+    return observed
+
+
+# ``(out, scales)``: the op's output and the scales of what it keeps for backward: the linear
+# input's per-tensor scale (a scalar), or the 1xG scales of the non-linear ops' saved inputs
+# (``[..., D / G]`` each, float32 or E8M0 bytes as ``FP8Config.group_scale`` stores them).
+observed_linear = _observed(fp8_linear, _fp8_linear_fwd, _fp8_linear_bwd, lambda r: r[0].scale)
+observed_rmsnorm = _observed(
+    fp8_rmsnorm, _fp8_rmsnorm_fwd, _fp8_rmsnorm_bwd, lambda r: (r[0].scale,)
+)
+observed_silu = _observed(fp8_silu, _fp8_silu_fwd, _fp8_silu_bwd, lambda r: (r.scale,))
+observed_mul = _observed(fp8_mul, _fp8_mul_fwd, _fp8_mul_bwd, lambda r: (r[0].scale, r[1].scale))
+observed_attention = _observed(
+    fp8_attention, _fp8_attention_fwd, _fp8_attention_bwd, lambda r: tuple(t.scale for t in r)
+)
+
+
+def placeholder(compute):
+    """A function of no arguments returning what ``compute()`` returns in structure, dtype
+    and shape, filled with NaN (floats) or -1 (integers: no count is negative), and computing
+    nothing: the other branch of a telemetry's ``lax.cond``.
+
+    Example:
+      >>> placeholder(lambda: (jnp.ones(2), jnp.int32(3)))()
+      (Array([nan, nan], dtype=float32), Array(-1, dtype=int32))
+    """
+
+    def fill(x):
+        return jnp.full(x.shape, jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else -1, x.dtype)
+
+    shapes = jax.eval_shape(compute)
+    return lambda: jax.tree.map(fill, shapes)
+
+
+class ScaleRecorder:
+    """Collects the scales the FP8 ops of one traced call quantize activations with, in call
+    order, for the activation telemetry (``ops_for(..., recorder=)``).
+
+    ``linear``: the per-tensor scale of each FP8 linear's input (a float32 scalar); ``group``:
+    the 1xG scales of each tensor a non-linear op keeps (``fp8_rmsnorm``'s input, ``fp8_silu``'s,
+    both of ``fp8_mul``'s, ``fp8_attention``'s q, k and v). Both as the ops computed them: the
+    ops return them beside their outputs (``observed_*``), so nothing is quantized twice.
+
+    A recorder lives within one trace (a layer's body under ``jax.checkpoint`` or ``scan``):
+    :meth:`summary` turns what it holds into a few arrays that cross those boundaries.
+    """
+
+    def __init__(self, config: FP8Config = DEFAULT_CONFIG):
+        self.config = config
+        self.linear: list[jax.Array] = []
+        self.group: list[jax.Array] = []
+
+    def record_linear(self, scale: jax.Array) -> None:
+        # No gradient flows into the telemetry: its computations stay out of the backward pass.
+        self.linear.append(jax.lax.stop_gradient(scale))
+
+    def record_group(self, scales) -> None:
+        self.group.extend(jax.lax.stop_gradient(s) for s in scales)
+
+    def summary(self, observe) -> dict:
+        """The recorded scales as telemetry: ``{"linear": [n_linear]}`` (the scales as they
+        are: scalars cost nothing) and ``{"group": {"max", "min", "nonfinite"}: [n_group]}``
+        per 1xG-scaled tensor: its largest scale, its smallest scale of a group holding a
+        non-zero value (``inf`` if none does), and its count of NaN or infinite scales. A
+        key is absent when nothing of its kind was recorded.
+
+        The per-group reductions read every scale, so they run in a ``lax.cond`` on
+        ``observe`` (a boolean scalar): where it is false they are placeholders (NaN, -1) and
+        nothing is read.
+        """
+        out = {}
+        if self.linear:
+            out["linear"] = jnp.stack(self.linear)
+        if self.group:
+            compute = lambda: _group_summary(self.group, self.config)
+            out["group"] = jax.lax.cond(observe, compute, placeholder(compute))
+        return out
+
+
+def _group_summary(stored: list[jax.Array], config: FP8Config) -> dict[str, jax.Array]:
+    """Largest scale, smallest scale above an all-zero group's, NaN/inf count, per tensor."""
+    fmt, scale_format = config.act_format, config.group_scale
+    # The scale quant.absmax_scale gives a group of zeros (max|x| = 0), stored and read back as
+    # the ops store it: every group with a non-zero value has a larger one.
+    zero = quant.absmax_scale(jnp.zeros([], jnp.float32), quant.FP8_MAX[fmt], scale_format)
+    zero = quant.decode_scale(quant.encode_scale(zero, scale_format))
+    largest, smallest, nonfinite = [], [], []
+    for s in stored:
+        s = quant.decode_scale(s)
+        peak = jnp.max(s)
+        # Zero groups are filled with the largest scale, not a constant: a constant the size of
+        # the scales would be hoisted out of a differentiated scan and made every step.
+        least = jnp.min(jnp.where(s > zero, s, peak))
+        largest.append(peak)
+        smallest.append(jnp.where(peak > zero, least, jnp.inf))
+        nonfinite.append(jnp.sum(~jnp.isfinite(s), dtype=jnp.int32))
+    return {
+        "max": jnp.stack(largest),
+        "min": jnp.stack(smallest),
+        "nonfinite": jnp.stack(nonfinite),
+    }
+
+
+# --------------------------------------------------------------------------------------------
 # plain ops (the "bf16" baseline: what a JAX user writes, XLA autodiff)
 
 
@@ -787,13 +914,18 @@ class OpSet(NamedTuple):
     attention: Callable | None = None
 
 
-def ops_for(precision: str, config: FP8Config = DEFAULT_CONFIG) -> OpSet:
+def ops_for(
+    precision: str, config: FP8Config = DEFAULT_CONFIG, *, recorder: ScaleRecorder | None = None
+) -> OpSet:
     """The op set of a precision mode.
 
     Args:
       precision: ``"bf16"`` (plain jnp with XLA autodiff: the baseline), ``"fp8"`` (FP8 linear
         layers only, TransformerEngine-style) or ``"coat"`` (COAT's full precision flow).
       config: static FP8 settings for the FP8 ops.
+      recorder: a :class:`ScaleRecorder` that the FP8 ops hand the scales they quantize with
+        (the activation telemetry). The ops are then the ``observed_*`` variants: the same
+        forward and backward, the same results. ``None``: the plain FP8 ops.
 
     Example:
       >>> ops = ops_for("coat")
@@ -807,6 +939,8 @@ def ops_for(precision: str, config: FP8Config = DEFAULT_CONFIG) -> OpSet:
     plain = OpSet(precision, linear, rmsnorm, silu, mul, add)
     if precision == "bf16":
         return plain
+    if recorder is not None:
+        return _recording_ops(plain, precision, config, recorder)
     fp8_lin = functools.partial(_linear_with_config, config=config)
     if precision == "fp8":
         return plain._replace(linear=fp8_lin)
@@ -818,6 +952,47 @@ def ops_for(precision: str, config: FP8Config = DEFAULT_CONFIG) -> OpSet:
         mul=functools.partial(_mul_with_config, config=config),
         add=fp8_add,
     )
+
+
+def _recording_ops(plain: OpSet, precision: str, config: FP8Config, recorder) -> OpSet:
+    """:func:`ops_for`'s FP8 ops as their ``observed_*`` variants, handing ``recorder`` the
+    scales (closures: a recorder belongs to one trace, so these op sets are never cached)."""
+
+    def linear(x, w):
+        y, scale = observed_linear(x, w, config)
+        recorder.record_linear(scale)
+        return y
+
+    def rmsnorm(x, weight, eps=1e-6):
+        y, scales = observed_rmsnorm(x, weight, float(eps), config)
+        recorder.record_group(scales)
+        return y
+
+    def silu(x):
+        y, scales = observed_silu(x, config)
+        recorder.record_group(scales)
+        return y
+
+    def mul(a, b):
+        y, scales = observed_mul(a, b, config)
+        recorder.record_group(scales)
+        return y
+
+    if precision == "fp8":
+        return plain._replace(linear=linear)
+    return OpSet(precision, linear=linear, rmsnorm=rmsnorm, silu=silu, mul=mul, add=fp8_add)
+
+
+def recorded_attention(config: FP8Config, recorder: ScaleRecorder):
+    """Causal ``fp8_attention`` ``(q, k, v) -> out`` that hands ``recorder`` the 1xG scales of
+    the q, k and v it keeps (``Llama(fp8_attention=True)`` under the activation telemetry)."""
+
+    def attention(q, k, v):
+        out, scales = observed_attention(q, k, v, True, config)
+        recorder.record_group(scales)
+        return out
+
+    return attention
 
 
 def _linear_with_config(x, w, *, config):

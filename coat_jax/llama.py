@@ -14,6 +14,7 @@ input once instead of three or two times, without a concatenated weight copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -33,9 +34,12 @@ from coat_jax.fp8_ops import (
     WEIGHT,
     FP8Config,
     FP8Weight,
+    OpSet,
+    ScaleRecorder,
     fp8_attention,
     ops_for,
     quantize_weight,
+    recorded_attention,
 )
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -442,6 +446,43 @@ class MLP(nnx.Module):
         return ops.linear(ops.mul(ops.silu(gate_BTF), up_BTF), down)
 
 
+# What a decoder layer's FP8 ops quantize, in the order the layer calls them (the indices of the
+# activation telemetry, docs/telemetry.md; tests/test_act_telemetry.py checks the order): the
+# inputs of its linears (per-tensor scales), and the tensors its non-linear ops keep for
+# backward (1xG scales): the residual stream into each RMSNorm, the gate projection into SiLU,
+# SiLU's output and the up projection into the product; with fp8_attention q, k and v too.
+LINEAR_INPUTS = ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up", "mlp.down_proj")
+ATTENTION_INPUTS = ("self_attn.q", "self_attn.k", "self_attn.v")
+
+
+def group_scaled(precision: str, fp8_attention: bool) -> tuple[str, ...]:
+    """The 1xG-scaled tensors a decoder layer keeps, in call order (:data:`LINEAR_INPUTS`)."""
+    attention = ATTENTION_INPUTS if fp8_attention else ()
+    if precision != "coat":
+        return attention
+    mlp = ("post_attention_layernorm", "mlp.silu", "mlp.mul_silu", "mlp.mul_up")
+    return ("input_layernorm", *attention, *mlp)
+
+
+def _model_ops(precision: str, config: FP8Config, fp8_attn: bool, recorder=None) -> OpSet:
+    """The op set of a model (:meth:`Llama.ops`); with ``recorder``, ops that hand it the scales
+    they quantize with."""
+    ops = ops_for(precision, config, recorder=recorder)
+    if fp8_attn:
+        if recorder is None:
+            attention = lambda q, k, v: fp8_attention(q, k, v, True, config)
+        else:
+            attention = recorded_attention(config, recorder)
+        ops = ops._replace(attention=attention)
+    return ops
+
+
+def _recording(precision: str, config: FP8Config, fp8_attn: bool) -> tuple[ScaleRecorder, OpSet]:
+    """A fresh :class:`ScaleRecorder` and the model's ops that hand it their scales."""
+    recorder = ScaleRecorder(config)
+    return recorder, _model_ops(precision, config, fp8_attn, recorder)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
         eps = config.rms_norm_eps
@@ -492,12 +533,29 @@ def _stacked_layers(config: LlamaConfig, param_dtype, rngs: nnx.Rngs) -> Decoder
     return nnx.merge(graphdef, state)
 
 
-def _layer_fn(graphdef, remat: str, ops, inv_freq, *, in_scan: bool):
+def _layer_fn(graphdef, remat: str, ops, inv_freq, *, in_scan: bool, recording=None):
     """``(x, layer_state, positions, codes=None) -> x`` for one decoder layer, under the remat
-    policy (``codes``: ``Llama.weight_codes`` of the layer, or ``None``)."""
+    policy (``codes``: ``Llama.weight_codes`` of the layer, or ``None``).
 
-    def run(x_BTD, layer_state, positions_BT, codes=None):
-        return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, inv_freq, ops, codes)
+    With ``recording`` (``() -> (ScaleRecorder, OpSet)``, the model's :func:`_recording`) the
+    layer runs on ops that record their scales instead of ``ops``, and is ``(x, layer_state,
+    positions, codes, observe) -> (x, scales)``: ``scales`` the recorder's
+    ``summary(observe)``, made inside the layer (under the remat policy, in the scan's body), so
+    that only those few arrays leave it.
+    """
+
+    if recording is None:
+
+        def run(x_BTD, layer_state, positions_BT, codes=None):
+            return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, inv_freq, ops, codes)
+
+    else:
+
+        def run(x_BTD, layer_state, positions_BT, codes, observe):
+            recorder, observed_ops = recording()
+            layer = nnx.merge(graphdef, layer_state)
+            x_BTD = layer(x_BTD, positions_BT, inv_freq, observed_ops, codes)
+            return x_BTD, recorder.summary(observe)
 
     if remat == "none":
         return run
@@ -655,27 +713,57 @@ class Llama(nnx.Module):
         # materialize a second [vocab, hidden] copy every step.
         return jnp.take(self.embed_tokens[...], input_ids_BT, axis=0).astype(self.dtype)
 
-    def ops(self):
-        """The op set of this model's precision (with FP8 attention if asked for)."""
-        ops = ops_for(self.precision, self.fp8_config)
-        if self.fp8_attention:
-            config = self.fp8_config
-            ops = ops._replace(attention=lambda q, k, v: fp8_attention(q, k, v, True, config))
-        return ops
+    def ops(self, recorder: ScaleRecorder | None = None) -> OpSet:
+        """The op set of this model's precision (with FP8 attention if asked for); with
+        ``recorder``, FP8 ops that hand it the scales they quantize with (same results)."""
+        return _model_ops(self.precision, self.fp8_config, self.fp8_attention, recorder)
 
-    def scanned_layer(self):
+    def _recording(self):
+        """``() -> (ScaleRecorder, OpSet)``: a fresh recorder and this model's ops that record
+        into it (static: a layer's function calls it inside its own trace)."""
+        return functools.partial(_recording, self.precision, self.fp8_config, self.fp8_attention)
+
+    def activation_names(self) -> dict[str, tuple[str, ...]]:
+        """What the activation scales of :meth:`observed_hidden_states` are, by their last
+        axis: ``"linear"`` the linear inputs of a layer (per-tensor scales), ``"group"`` the
+        1xG-scaled tensors of a layer, ``"norm"`` the final norm's input. Empty where the
+        precision has no such FP8 tensors (all three for ``"bf16"``).
+
+        Example:
+          >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+          ...                   num_hidden_layers=2, num_attention_heads=4)
+          >>> names = Llama(cfg, precision="coat", rngs=nnx.Rngs(0)).activation_names()
+          >>> names["linear"][0], names["group"][:2], names["norm"]
+          ('self_attn.qkv', ('input_layernorm', 'post_attention_layernorm'), ('norm',))
+        """
+        fp8 = self.precision != "bf16"
+        return {
+            "linear": LINEAR_INPUTS if fp8 else (),
+            "group": group_scaled(self.precision, self.fp8_attention) if fp8 else (),
+            "norm": ("norm",) if self.precision == "coat" else (),
+        }
+
+    def scanned_layer(self, *, observed: bool = False):
         """``(layer, stacked)`` of a scanned model: one decoder layer as a function and the state.
 
         ``layer(x_BTD, layer_state, positions_BT, codes=None) -> x_BTD`` runs one layer (under
         the remat policy) on one layer's slice of ``stacked`` (the ``nnx.State`` of the stacked
         layers, leading axis ``num_hidden_layers``) and of :meth:`weight_codes`; :meth:`decoder`
         scans it. For code that drives the layers itself (``coat_jax.training.layerwise``).
+        With ``observed``, ``layer(x_BTD, layer_state, positions_BT, codes, observe) -> (x_BTD,
+        scales)``: the layer's activation scales as :meth:`observed_decoder` gives them per
+        layer.
         """
         if not self.scan_layers:
             raise ValueError("scanned_layer() needs a model built with scan_layers=True")
         graphdef, stacked = nnx.split(self.layers)
         layer = _layer_fn(
-            graphdef, self.remat, self.ops(), rope_inv_freq(self.config), in_scan=True
+            graphdef,
+            self.remat,
+            self.ops(),
+            rope_inv_freq(self.config),
+            in_scan=True,
+            recording=self._recording() if observed else None,
         )
         return layer, stacked
 
@@ -698,22 +786,67 @@ class Llama(nnx.Module):
 
     def decoder(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
         """The decoder layers on embedded inputs [B, T, D] (scanned or not, under the remat)."""
+        return self._decoder(x_BTD, positions_BT, None)[0]
+
+    def observed_decoder(self, x_BTD: jax.Array, positions_BT: jax.Array, observe) -> tuple:
+        """:meth:`decoder` and the scales its FP8 ops quantize activations with:
+        ``(x_BTD, scales)``, ``scales`` each layer's ``ScaleRecorder.summary(observe)``
+        stacked on a leading layer axis (``{"linear": [L, n], "group": {"max", "min",
+        "nonfinite": [L, m]}}``, by :meth:`activation_names`). ``observe`` (a boolean scalar)
+        says whether the per-group reductions are computed (placeholders where not). The
+        same result as :meth:`decoder`, bit for bit.
+        """
+        return self._decoder(x_BTD, positions_BT, observe)
+
+    def _decoder(self, x_BTD, positions_BT, observe):
+        recording = None if observe is None else self._recording()
+        # observe=None runs the layers exactly as without the telemetry (the same program).
+        extra = () if observe is None else (observe,)
         if self.scan_layers:
-            layer, stacked = self.scanned_layer()
+            layer, stacked = self.scanned_layer(observed=observe is not None)
 
             def body(x_BTD, xs):
                 layer_state, codes = xs
-                return layer(x_BTD, layer_state, positions_BT, codes), None
+                out = layer(x_BTD, layer_state, positions_BT, codes, *extra)
+                return out if observe is not None else (out, None)
 
-            x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, self.weight_codes(stacked)))
-            return x_BTD
+            return jax.lax.scan(body, x_BTD, (stacked, self.weight_codes(stacked)))
         ops = self.ops()
         inv_freq = rope_inv_freq(self.config)
+        scales = []
         for decoder_layer in self.layers:
             graphdef, layer_state = nnx.split(decoder_layer)
-            layer = _layer_fn(graphdef, self.remat, ops, inv_freq, in_scan=False)
-            x_BTD = layer(x_BTD, layer_state, positions_BT, self.weight_codes(layer_state))
-        return x_BTD
+            layer = _layer_fn(
+                graphdef, self.remat, ops, inv_freq, in_scan=False, recording=recording
+            )
+            x_BTD = layer(x_BTD, layer_state, positions_BT, self.weight_codes(layer_state), *extra)
+            if observe is not None:
+                x_BTD, layer_scales = x_BTD
+                scales.append(layer_scales)
+        stacked_scales = jax.tree.map(lambda *xs: jnp.stack(xs), *scales) if scales else None
+        return x_BTD, stacked_scales
+
+    def observed_norm(self, x_BTD: jax.Array, observe) -> tuple:
+        """The final norm of :meth:`hidden_states` and the summary of the 1xG scales it keeps
+        (``ScaleRecorder.summary(observe)``; empty unless the precision is ``"coat"``)."""
+        recorder, ops = self._recording()()
+        return self.norm(x_BTD, ops), recorder.summary(observe)
+
+    def observed_hidden_states(
+        self, input_ids_BT: jax.Array, observe, positions_BT: jax.Array | None = None
+    ) -> tuple:
+        """:meth:`hidden_states` and the scales the FP8 ops quantized activations with:
+        ``(hidden_BTD, {"layers": observed_decoder's scales, "norm": observed_norm's})``.
+
+        The activation telemetry (``coat_jax.training.telemetry.ActivationTelemetry``) reads
+        them; the hidden states are :meth:`hidden_states`' bit for bit.
+        """
+        check_input_ids(input_ids_BT)
+        x_BTD, layers = self.observed_decoder(
+            self.embed(input_ids_BT), default_positions(input_ids_BT, positions_BT), observe
+        )
+        hidden_BTD, norm = self.observed_norm(x_BTD, observe)
+        return hidden_BTD, {"layers": layers, "norm": norm}
 
     def output_weight(self, *, cast: bool = True) -> jax.Array:
         """The LM head as [D, V] (the tied embedding's transpose if tied).

@@ -460,6 +460,21 @@ def trainer_runs(tmp_path_factory, cache_dir):
 # run also writes its stop step and its first step after the resume.
 LOGGED = [1, 3, 6, 7]
 IRREGULAR = [STOP, STOP + 1]
+# The activation telemetry's metrics of a COAT model (docs/telemetry.md).
+ACT_KEYS = sorted(
+    f"act/{k}"
+    for k in (
+        "linear_scale_min",
+        "linear_scale_max",
+        "linear_worst_layer",
+        "linear_worst_input",
+        "group_scale_min",
+        "group_scale_max",
+        "group_worst_layer",
+        "group_worst_tensor",
+        "nonfinite",
+    )
+)
 
 
 def test_a_train_run_logs_each_logged_steps_telemetry_and_trains_as_without(trainer_runs):
@@ -475,7 +490,7 @@ def test_a_train_run_logs_each_logged_steps_telemetry_and_trains_as_without(trai
     ]
     assert [split[s]["grad_norm"] for s in LOGGED] == [off[s]["grad_norm"] for s in LOGGED]
     assert [split[s]["loss"] for s in (1, 3, 7)] == [off[s]["loss"] for s in (1, 3, 7)]
-    assert not any(k.startswith("state/") for r in off.values() for k in r)
+    assert not any(k.startswith(("state/", "act/")) for r in off.values() for k in r)
     # Each logged step holds its own telemetry: what the every-step telemetry gives there,
     # before and after the resume at a step that is not a multiple of log_every.
     for step in LOGGED:
@@ -483,7 +498,22 @@ def test_a_train_run_logs_each_logged_steps_telemetry_and_trains_as_without(trai
         state = {k: v for k, v in logged_metrics(split[step]).items() if "state/" in k}
         # TensorBoard shows what metrics.jsonl holds.
         assert {k: dict(scalars[k])[step] for k in state} == pytest.approx(state, rel=1e-6)
+        # The activation scales (tests/test_act_telemetry.py): at each logged step, from that
+        # step's forward pass, the same in both runs (the same parameters, the same forward).
+        act = {k: v for k, v in split[step].items() if k.startswith("act/")}
+        assert sorted(act) == ACT_KEYS, step
+        assert act == {k: v for k, v in every[step].items() if k.startswith("act/")}
+        assert {k: dict(scalars[k])[step] for k in act} == pytest.approx(act, rel=1e-6)
     last = split[STEPS_RUN]
+    assert last["act/nonfinite"] == 0
+    assert 0 < last["act/linear_scale_min"] <= last["act/linear_scale_max"] < 1
+    assert 0 < last["act/group_scale_min"] <= last["act/group_scale_max"] < 1
+    # One decoder layer: layer 0, or 1 for the final norm (its tensor index then 5, "norm").
+    assert last["act/linear_worst_layer"] == 0 and 0 <= last["act/linear_worst_input"] < 4
+    assert (last["act/group_worst_layer"], last["act/group_worst_tensor"] == 5) in (
+        (0, False),
+        (1, True),
+    )
     for f in ("mu", "nu"):
         assert 0 < last[f"state/{f}_rel_err"] <= last[f"state/{f}_rel_err_max"] < 0.05
         assert last[f"state/{f}_nonfinite"] == 0
@@ -497,10 +527,11 @@ def test_no_record_holds_the_placeholders_of_a_step_not_computed(trainer_runs):
     # The stop step and the first step after the resume are not computed (their count does not
     # say the trainer logs them): their records carry no telemetry, and TensorBoard none.
     for step in IRREGULAR:
-        assert not any(k.startswith("state/") for k in runs["split"][step]), step
+        assert not any(k.startswith(("state/", "act/")) for k in runs["split"][step]), step
     for key, values in scalars.items():
-        if key.startswith("state/"):
+        if key.startswith(("state/", "act/")):
             assert [s for s, _ in values] == LOGGED, key
+    assert {k for k in scalars if k.startswith("act/")} == set(ACT_KEYS)
 
 
 @pytest.fixture(scope="module")

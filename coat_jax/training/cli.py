@@ -98,7 +98,8 @@ DESCRIPTIONS = {
     "update, then apply_updates)",
     "optimizer_in_backward": "update each layer inside the backward pass: never holds the whole "
     "gradient (needs scan_layers, grad_clip=null; docs/memory_options.md)",
-    "telemetry": "log the FP8 optimizer state's error, saturation, clip counts (docs/telemetry.md)",
+    "telemetry": "log the FP8 optimizer state's error, saturation, clip counts and the FP8 "
+    "activation scales' range (docs/telemetry.md)",
     "sample_prompt": "prompt of the short sample printed at the end of a run (null: no sample)",
     "sample_tokens": "tokens the end-of-run sample generates",
     "compilation_cache_dir": "JAX's persistent compilation cache (null: off)",

@@ -117,9 +117,10 @@ class TrainConfig:
       other than the embedding only.
     - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
-    - ``telemetry``: add the optimizer state's quantization telemetry to the metrics records
-      written every ``log_every`` steps (and at the first and last step), computed on those
-      steps only (``coat_jax.training.telemetry``, docs/telemetry.md).
+    - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
+      or ``coat``) the range of the FP8 activation scales to the metrics records written
+      every ``log_every`` steps (and at the first and last step), computed on those steps
+      only (``coat_jax.training.telemetry``, docs/telemetry.md).
     """
 
     # Run.

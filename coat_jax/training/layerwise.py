@@ -22,8 +22,10 @@ layer ``vmap``-ped over the layers (every leaf gains the leading layer axis, ste
 included) and its state of the other parameters apart (:class:`LayerwiseState`), so a per-layer
 update is exactly ``tx.update`` on one layer's tree. What needs the whole gradient before any
 update cannot run here, and the trainer refuses it: global-norm clipping (``grad_clip``),
-``skip_nonfinite_steps``, ``grad_accum`` > 1 and the optimizer telemetry. Results equal the
-plain step's without clipping to float32 rounding (tests/test_layerwise.py).
+``skip_nonfinite_steps``, ``grad_accum`` > 1 and the optimizer telemetry. The activation
+telemetry needs only the forward pass: :func:`make_train_step` takes it (``activations``), the
+layers' scales leaving the forward scan beside the residuals. Results equal the plain step's
+without clipping to float32 rounding (tests/test_layerwise.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from coat_jax.llama import default_positions
 from coat_jax.master import apply_updates_stochastic
 from coat_jax.optim import apply_gradients
 from coat_jax.training import sharding
+from coat_jax.training.telemetry import ActivationTelemetry
 
 # The key of one layer's parameters in the tree the optimizer sees per layer. Not "layers":
 # coat_jax's FSDP rule reads a leading axis under "layers" as the stacked layer axis.
@@ -140,6 +143,7 @@ def make_train_step(
     seed: int = 0,
     fused_apply: bool = True,
     low_precision: bool = False,
+    activations: ActivationTelemetry | None = None,
 ):
     """The train step ``(params, LayerwiseState, tokens_ABT1) -> (params, state, metrics)``.
 
@@ -151,6 +155,10 @@ def make_train_step(
         rounding, keyed by ``seed``, the step count and the layer.
       loss_from_hidden: ``(model, hidden_BTD, labels_BT) -> mean loss`` (the trainer's).
       fused_apply: apply through ``coat_jax.apply_gradients`` (coat_adamw's fused kernel).
+      activations: the activation telemetry (``act/`` metrics): each layer's scales leave the
+        forward scan as an output beside its residuals, the final norm's its ``vjp``. On the
+        steps it does not compute (:meth:`ActivationTelemetry.computes` of the state's count
+        plus one), placeholders. ``None``: the step without it, unchanged.
     """
 
     def update(grads, state, params, key):
@@ -173,13 +181,18 @@ def make_train_step(
         positions_BT = default_positions(inputs_BT)
         layers, head_params, embed_params = split_params(params)
         bind = lambda h, e, layers=layers: model_def.bind({**h, **e, "layers": layers})
-        layer, stacked_state = bind(head_params, embed_params).scanned_layer()
+        # The activation telemetry's flag: the layers reduce their scales only where it is true.
+        observe = None if activations is None else activations.computes(opt_state.count + 1)
+        extra = () if observe is None else (observe,)
+        layer, stacked_state = bind(head_params, embed_params).scanned_layer(
+            observed=observe is not None
+        )
         num_layers = jax.tree.leaves(layers)[0].shape[0]
 
         def layer_on_dict(p_l, x_BTD, codes_l):
             state = jax.tree.map(lambda a: a, stacked_state)
             nnx.replace_by_pure_dict(state, p_l)
-            return layer(x_BTD, state, positions_BT, codes_l)
+            return layer(x_BTD, state, positions_BT, codes_l, *extra)
 
         # fp8_weight_residual "once": every layer's FP8 weight codes, made before the forward
         # scan (one pass over the stacked weights) and read by both scans; None otherwise.
@@ -195,22 +208,30 @@ def make_train_step(
 
         def forward(x_BTD, xs):
             p_l, codes_l = xs
-            y_BTD, pullback = jax.vjp(lambda p, x: layer_on_dict(p, x, codes_l), p_l, x_BTD)
+            # With the telemetry the layer's scales are the vjp's auxiliary output.
+            y_BTD, pullback, *scales = jax.vjp(
+                lambda p, x: layer_on_dict(p, x, codes_l), p_l, x_BTD, has_aux=bool(extra)
+            )
             leaves, layout["treedef"] = jax.tree.flatten(pullback)
             weights = jax.tree.leaves((p_l, codes_l))
             layout["weight"] = [
                 next((k for k, w in enumerate(weights) if leaf is w), None) for leaf in leaves
             ]
             kept = [leaf for leaf, k in zip(leaves, layout["weight"], strict=True) if k is None]
-            return y_BTD, kept
+            return y_BTD, (kept, *scales)
 
-        h_BTD, residuals = lax.scan(forward, x_BTD, (layers, codes))
+        h_BTD, (residuals, *layer_scales) = lax.scan(forward, x_BTD, (layers, codes))
 
         def head(h, e, h_BTD):
             model = bind(h, e)
-            return loss_from_hidden(model, model.norm(h_BTD, model.ops()), labels_BT)
+            if observe is None:
+                return loss_from_hidden(model, model.norm(h_BTD, model.ops()), labels_BT)
+            hidden_BTD, norm_scales = model.observed_norm(h_BTD, observe)
+            return loss_from_hidden(model, hidden_BTD, labels_BT), norm_scales
 
-        loss, head_vjp = jax.vjp(head, head_params, embed_params, h_BTD)
+        loss, head_vjp, *norm_scales = jax.vjp(
+            head, head_params, embed_params, h_BTD, has_aux=bool(extra)
+        )
         g_head, g_embed, g_BTD = head_vjp(jnp.ones_like(loss))
         step_key = jax.random.fold_in(jax.random.key(seed), opt_state.count)
         # The head is updated now, so that its gradient (Llama-2-7B's LM head: 0.49 GiB in
@@ -257,6 +278,10 @@ def make_train_step(
         grad_norm = jnp.sqrt(sum_sq + _sum_squares(g_embed))
         new_state = LayerwiseState(layer_states, head_state, embed_state, opt_state.count + 1)
         new_params = {**head_params, **embed_params, "layers": layers}
-        return new_params, new_state, {"loss": loss, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if activations is not None:
+            scales = {"layers": layer_scales[0], "norm": norm_scales[0]}
+            metrics.update(activations.metrics(scales, observe))
+        return new_params, new_state, metrics
 
     return train_step

@@ -62,7 +62,13 @@ from coat_jax.training.optimizers import (  # noqa: F401 - weight_decay_mask: pu
     weight_decay_mask,
 )
 from coat_jax.training.rundir import RunDirectory
-from coat_jax.training.telemetry import StateTelemetry, logged_metrics, state_telemetry
+from coat_jax.training.telemetry import (
+    ActivationTelemetry,
+    StateTelemetry,
+    activation_telemetry,
+    logged_metrics,
+    state_telemetry,
+)
 from pallas_kernels.sharding import KernelMesh
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -228,6 +234,16 @@ def next_token_loss(model_def: ModelDef, params, tokens_BT1) -> jax.Array:
     return loss_from_hidden(model_def, model, model.hidden_states(inputs_BT), labels_BT)
 
 
+def observed_next_token_loss(model_def: ModelDef, params, tokens_BT1, observe) -> tuple:
+    """``(next_token_loss, scales)``: the same loss, bit for bit, and the scales the FP8 ops
+    quantized activations with (``Llama.observed_hidden_states``; ``observe`` says whether
+    their per-group reductions are computed)."""
+    inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    model = model_def.bind(params)
+    hidden_BTD, scales = model.observed_hidden_states(inputs_BT, observe)
+    return loss_from_hidden(model_def, model, hidden_BTD, labels_BT), scales
+
+
 def loss_from_hidden(model_def: ModelDef, model: Llama, hidden_BTD, labels_BT) -> jax.Array:
     """Mean cross-entropy of the final hidden states against ``labels`` (the model's head)."""
     if model_def.loss_chunk_size is None:
@@ -269,6 +285,7 @@ def make_train_step(
     *,
     seed: int = 0,
     telemetry: StateTelemetry | None = None,
+    activations: ActivationTelemetry | None = None,
     fused_apply: bool = True,
 ):
     """The pure train step over ``tokens_ABT1``: A microbatches of B windows of T + 1 tokens.
@@ -276,7 +293,9 @@ def make_train_step(
     With bfloat16 parameters (``master_dtype: bfloat16``) ``tx`` must come from
     :func:`with_rounding_count`: gradients are accumulated and clipped in float32 and each
     update is applied with stochastic rounding. With ``telemetry`` the metrics also hold the
-    optimizer state's quantization telemetry (:mod:`coat_jax.training.telemetry`). With
+    optimizer state's quantization telemetry, with ``activations`` the range of the scales the
+    FP8 activation ops used (:mod:`coat_jax.training.telemetry`); without it the step is the
+    program it was before the activation telemetry existed. With
     ``fused_apply`` a ``tx`` that can apply itself (``coat_adamw``: its kernel writes the new
     parameter) does so through ``coat_jax.optim.apply_gradients``; telemetry and bfloat16
     parameters take ``tx.update`` and apply the updates apart.
@@ -286,6 +305,17 @@ def make_train_step(
         jnp.dtype(x.dtype) == jnp.bfloat16 for x in jax.tree.leaves(model_def.abstract_params)
     )
     as_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+    observed_grad_fn = jax.value_and_grad(
+        lambda p, t, observe: observed_next_token_loss(model_def, p, t, observe), has_aux=True
+    )
+
+    def loss_and_grads(params, tokens_BT1, observe):
+        """``(loss, grads, scales)``: ``scales`` the activation scales, ``None`` without the
+        activation telemetry (``observe`` None)."""
+        if observe is None:
+            return (*grad_fn(params, tokens_BT1), None)
+        (loss, scales), grads = observed_grad_fn(params, tokens_BT1, observe)
+        return loss, grads, scales
 
     def update(grads, opt_state, params):
         if telemetry is None:
@@ -294,19 +324,21 @@ def make_train_step(
 
     def train_step(params, opt_state, tokens_ABT1):
         num_micro = tokens_ABT1.shape[0]
+        # Known before the forward pass: the layers reduce their scales only where it is true.
+        observe = None if activations is None else activations.observe(opt_state)
         if num_micro == 1:
-            loss, grads = grad_fn(params, tokens_ABT1[0])
+            loss, grads, scales = loss_and_grads(params, tokens_ABT1[0], observe)
         else:
 
             def accumulate(grad_sum, tokens_BT1):
-                loss, grads = grad_fn(params, tokens_BT1)
+                loss, grads, scales = loss_and_grads(params, tokens_BT1, observe)
                 grads = as_f32(grads) if low_precision else grads
-                return jax.tree.map(jnp.add, grad_sum, grads), loss
+                return jax.tree.map(jnp.add, grad_sum, grads), (loss, scales)
 
             zeros = jax.tree.map(
                 lambda p: jnp.zeros(p.shape, jnp.float32 if low_precision else p.dtype), params
             )
-            grad_sum, losses = jax.lax.scan(accumulate, zeros, tokens_ABT1)
+            grad_sum, (losses, scales) = jax.lax.scan(accumulate, zeros, tokens_ABT1)
             grads = jax.tree.map(lambda g: g / num_micro, grad_sum)
             loss = losses.mean()
         if low_precision:
@@ -320,6 +352,8 @@ def make_train_step(
             updates, opt_state, observed = update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         grad_norm = optax.tree.norm(as_f32(grads) if low_precision else grads)
+        if activations is not None:
+            observed = {**observed, **activations.metrics(scales, observe)}
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **observed}
 
     return train_step
@@ -452,8 +486,14 @@ class TrainProgram:
         return jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
 
 
-def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainProgram:
-    """The model, optimizer, shardings and the jitted train and evaluation steps of ``cfg``."""
+def build_program(
+    cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None, *, observe_activations: bool = True
+) -> TrainProgram:
+    """The model, optimizer, shardings and the jitted train and evaluation steps of ``cfg``.
+
+    ``observe_activations=False`` leaves the activation telemetry out of a ``telemetry: true``
+    step (the telemetry benchmark's program with the optimizer state's telemetry alone).
+    """
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp) if mesh is None else mesh
     sharding.check_batch_divisible(cfg.batch_size, mesh)
     # Several devices: the kernels run per shard on the mesh (even a mesh of one device, which
@@ -487,6 +527,7 @@ def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainP
             tx,
             seed=cfg.seed,
             telemetry=state_telemetry(cfg, schedule),
+            activations=activation_telemetry(cfg) if observe_activations else None,
             fused_apply=cfg.fused_apply,
         )
     # Train batches are [microbatches, batch, T + 1]; validation batches [batch, T + 1].

@@ -54,6 +54,13 @@ computation per field, not per tensor. Pooled sums weigh each tensor by its valu
 value, so they estimate the error over whole tensors. The counts read
 the whole new state: one byte per value of each moment and one pass over the statistics, two
 variadic reductions per tensor.
+
+For a model with FP8 activations, :class:`ActivationTelemetry` adds the ``act/`` metrics: the
+range of the scales the FP8 activation ops quantize with (per-tensor scales of the linears'
+inputs, 1x16 scales of what the non-linear ops keep), taken from the ops themselves
+(``coat_jax.fp8_ops.observed_*``, ``Llama.observed_hidden_states``), with the layer and the
+tensor of the largest and a count of non-finite scales; on the same steps, with its own flag
+:data:`ACT_COMPUTED`.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ import optax
 from jax import lax
 
 from coat_jax import quant
+from coat_jax.fp8_ops import placeholder
 from coat_jax.fp8_wrapper import _field_name, _owner, find_fp8_states
 from coat_jax.optim import (
     DEFAULT_GROUP_SIZE,
@@ -91,6 +99,9 @@ DEFAULT_GROUPS = 8
 # The metric that says whether a step computed the telemetry (the other ``state/`` metrics of a
 # step that did not are placeholders; :func:`logged_metrics` drops them).
 COMPUTED = "state/computed"
+# The metric that says whether a step computed the activation telemetry (its other ``act/``
+# metrics are placeholders where not).
+ACT_COMPUTED = "act/computed"
 # Optimizers whose state update is not element-wise, so a sample cannot replay it.
 NOT_REPLAYABLE = frozenset({"adafactor"})
 
@@ -339,13 +350,7 @@ class StateTelemetry:
           >>> [s for s in range(1, 26) if StateTelemetry(every=10, max_skipped=1).computes(s)]
           [1, 9, 10, 19, 20]
         """
-        if self.every == 1:
-            return jnp.ones_like(step, bool)
-        # Steps to the next multiple of `every` (0 at one); % takes the divisor's sign.
-        due = ((-step) % self.every <= self.max_skipped) | (step == 1)
-        if self.last_step is not None:
-            due = due | ((step <= self.last_step) & (self.last_step - step <= self.max_skipped))
-        return due
+        return _logged(step, self.every, self.last_step, self.max_skipped)
 
     def update(self, tx: optax.GradientTransformation, grads, opt_state, params):
         """``tx.update(grads, opt_state, params)`` plus the telemetry's metrics.
@@ -364,7 +369,7 @@ class StateTelemetry:
             when = lambda compute: compute()
         else:
             computed = jnp.asarray(self.computes(_step_count(opt_state) + 1))
-            when = lambda compute: lax.cond(computed, compute, _placeholder(compute))
+            when = lambda compute: lax.cond(computed, compute, placeholder(compute))
         updates, new_state, metrics = self._update(tx, grads, opt_state, params, when)
         return updates, new_state, {**metrics, COMPUTED: computed}
 
@@ -538,6 +543,17 @@ def _check_int(name: str, value, least: int) -> None:
         raise ValueError(f"telemetry {name} must be {what}, got {value!r}")
 
 
+def _logged(step, every: int, last_step: int | None, max_skipped: int):
+    """:meth:`StateTelemetry.computes` (and :meth:`ActivationTelemetry.computes`)."""
+    if every == 1:
+        return jnp.ones_like(step, bool)
+    # Steps to the next multiple of `every` (0 at one); % takes the divisor's sign.
+    due = ((-step) % every <= max_skipped) | (step == 1)
+    if last_step is not None:
+        due = due | ((step <= last_step) & (last_step - step <= max_skipped))
+    return due
+
+
 def _step_count(opt_state) -> jax.Array:
     """The optimizer state's step count: the largest ``count`` field (optax's and COAT's
     states, the schedule's, a bfloat16 master's rounding count, which also counts skipped
@@ -559,33 +575,24 @@ def _step_count(opt_state) -> jax.Array:
     return functools.reduce(jnp.maximum, [c.astype(jnp.int32) for c in counts])
 
 
-def _placeholder(compute):
-    """A function of no arguments returning what ``compute()`` returns in structure, dtype
-    and shape, filled with NaN (floats) or -1 (integers: no count is negative), and computing
-    nothing."""
-
-    def fill(x):
-        return jnp.full(x.shape, jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else -1, x.dtype)
-
-    shapes = jax.eval_shape(compute)
-    return lambda: jax.tree.map(fill, shapes)
-
-
 def logged_metrics(metrics: dict) -> dict:
-    """A train step's ``metrics`` as a record may log them: without :data:`COMPUTED`, and
-    without the telemetry's ``state/`` keys where that step did not compute them (its
-    placeholders). Other keys and other steps' metrics are returned as they are.
+    """A train step's ``metrics`` as a record may log them: without :data:`COMPUTED` and
+    :data:`ACT_COMPUTED`, and without the telemetry's ``state/`` (``act/``) keys where that
+    step did not compute them (its placeholders). Other keys and other steps' metrics are
+    returned as they are.
 
     Example:
       >>> logged_metrics({"loss": 2.5, "state/mu_rel_err": float("nan"), COMPUTED: False})
       {'loss': 2.5}
     """
-    if COMPUTED not in metrics:
-        return metrics
-    keep = bool(metrics[COMPUTED])
-    return {
-        k: v for k, v in metrics.items() if k != COMPUTED and (keep or not k.startswith("state/"))
-    }
+    dropped = set()
+    for flag in (COMPUTED, ACT_COMPUTED):
+        if flag in metrics:
+            prefix = flag.partition("/")[0] + "/"
+            dropped |= {flag} | (
+                set() if metrics[flag] else {k for k in metrics if k.startswith(prefix)}
+            )
+    return {k: v for k, v in metrics.items() if k not in dropped} if dropped else metrics
 
 
 def _one(found: list, what: str):
@@ -740,23 +747,161 @@ def state_telemetry(cfg: TrainConfig, schedule) -> StateTelemetry | None:
     )
 
 
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationTelemetry:
+    """The range of the scales the FP8 activation ops quantize with, as step metrics.
+
+    The model's FP8 ops return the scales they quantize with beside their outputs
+    (``coat_jax.fp8_ops.observed_*``, through ``Llama.observed_hidden_states``): the per-tensor
+    scale of every FP8 linear's input, and the 1xG scales of every tensor the non-linear ops
+    keep for backward, reduced inside each layer to a largest scale, a smallest scale of a
+    group holding a non-zero value and a count of non-finite scales per tensor
+    (``fp8_ops.ScaleRecorder``). :meth:`metrics` reduces those over layers (and microbatches):
+
+    ==========================  ==================================================================
+    ``act/linear_scale_min``    smallest per-tensor scale of a linear's input, all layers
+    ``act/linear_scale_max``    largest one
+    ``act/linear_worst_layer``  the layer of the largest one
+    ``act/linear_worst_input``  which input of that layer (``Llama.activation_names()["linear"]``)
+    ``act/group_scale_min``     smallest 1xG scale of a group with a non-zero value (``inf``: none)
+    ``act/group_scale_max``     largest 1xG scale
+    ``act/group_worst_layer``   the layer of the largest (the layer count: the final norm)
+    ``act/group_worst_tensor``  which tensor (``activation_names()["group"] + ("norm",)``)
+    ``act/nonfinite``           NaN or infinite scales, linear and 1xG
+    ``act/computed``            whether this step computed the 1xG metrics (:data:`ACT_COMPUTED`)
+    ==========================  ==================================================================
+
+    The ``act/group_*`` keys exist where the model has 1xG-scaled activations (precision
+    ``coat``, or ``fp8`` with ``fp8_attention``); a ``bf16`` model has no FP8 activations and
+    no ``act/`` keys (the trainer builds no activation telemetry for it). A scale is
+    ``(max|x| + 1e-20) / 448`` (E4M3), so a largest scale of ``s`` means activations of
+    ``448 s``; a NaN makes its layer the worst one (``argmax`` takes NaN for the maximum).
+
+    Attributes:
+      every, last_step, max_skipped: on which steps the per-group reductions are computed, as
+        :meth:`StateTelemetry.computes`; on the others the ``act/`` metrics are placeholders
+        and :data:`ACT_COMPUTED` is false.
+    """
+
+    every: int = 1
+    last_step: int | None = None
+    max_skipped: int = 0
+
+    def __post_init__(self):
+        _check_int("every", self.every, 1)
+        _check_int("max_skipped", self.max_skipped, 0)
+        if self.last_step is not None:
+            _check_int("last_step", self.last_step, 1)
+
+    def computes(self, step):
+        """Whether the telemetry is computed at ``step`` (:meth:`StateTelemetry.computes`)."""
+        return _logged(step, self.every, self.last_step, self.max_skipped)
+
+    def observe(self, opt_state) -> jax.Array:
+        """:meth:`computes` of the step after ``opt_state``'s count (a boolean scalar): the
+        ``observe`` flag of ``Llama.observed_hidden_states``, known before the forward pass."""
+        if self.every == 1:
+            return jnp.asarray(True)
+        return jnp.asarray(self.computes(_step_count(opt_state) + 1))
+
+    def metrics(self, scales: dict, observe) -> dict[str, jax.Array]:
+        """The ``act/`` metrics of ``Llama.observed_hidden_states``' scales (leaves may carry
+        leading microbatch axes), and :data:`ACT_COMPUTED` (``observe``)."""
+        layers, norm = scales["layers"] or {}, scales["norm"]
+        # Leading (microbatch) axes reduce like the layers: largest, smallest, summed counts.
+        over = lambda f, x, keep: f(x.reshape(-1, *x.shape[x.ndim - keep :]), axis=0)
+        metrics = {ACT_COMPUTED: jnp.asarray(observe)}
+        nonfinite = jnp.zeros([], jnp.int32)
+        if "linear" in layers:
+            linear = layers["linear"]
+            n = linear.shape[-1]
+            largest = over(jnp.max, linear, 2).reshape(-1)
+            worst = jnp.argmax(largest)
+            nonfinite += jnp.sum(~jnp.isfinite(linear), dtype=jnp.int32)
+            metrics.update(
+                {
+                    "act/linear_scale_min": jnp.min(linear),
+                    "act/linear_scale_max": largest[worst],
+                    "act/linear_worst_layer": (worst // n).astype(jnp.int32),
+                    "act/linear_worst_input": (worst % n).astype(jnp.int32),
+                }
+            )
+        # Every array of a layer summary is [..., layers, tensors].
+        num_layers = jax.tree.leaves(layers)[0].shape[-2] if layers else 0
+        m = layers["group"]["max"].shape[-1] if "group" in layers else 0
+        groups = []  # (summary, its axes per layer, the layer and tensor of each value)
+        if "group" in layers:
+            layer_of, tensor_of = np.divmod(np.arange(num_layers * m), m)
+            groups.append((layers["group"], 2, layer_of, tensor_of))
+        if "group" in norm:
+            # The final norm: one layer past the decoder's, the tensor after a layer's.
+            groups.append((norm["group"], 1, np.array([num_layers]), np.array([m])))
+        if groups:
+            cat = lambda name, f: jnp.concatenate(
+                [over(f, g[name], keep).reshape(-1) for g, keep, _, _ in groups]
+            )
+            largest, smallest = cat("max", jnp.max), cat("min", jnp.min)
+            worst = jnp.argmax(largest)
+            layer_of = jnp.asarray(np.concatenate([g[2] for g in groups]), jnp.int32)
+            tensor_of = jnp.asarray(np.concatenate([g[3] for g in groups]), jnp.int32)
+            nonfinite += jnp.sum(cat("nonfinite", jnp.sum))
+            metrics.update(
+                {
+                    "act/group_scale_min": jnp.min(smallest),
+                    "act/group_scale_max": largest[worst],
+                    "act/group_worst_layer": layer_of[worst],
+                    "act/group_worst_tensor": tensor_of[worst],
+                }
+            )
+        metrics["act/nonfinite"] = nonfinite
+        return metrics
+
+
+def activation_telemetry(cfg: TrainConfig) -> ActivationTelemetry | None:
+    """The activation telemetry of ``cfg`` (``None`` with ``telemetry`` off, and for precision
+    ``bf16``, which has no FP8 activations), on the steps :func:`state_telemetry` uses."""
+    if not cfg.telemetry or cfg.precision == "bf16":
+        return None
+    return ActivationTelemetry(
+        every=cfg.log_every, last_step=cfg.steps, max_skipped=cfg.skip_nonfinite_steps
+    )
+
+
 # ----------------------------------------------------------------------------- cost benchmark
 
 
-def benchmark(cfg: TrainConfig, *, steps: int = 20, rounds: int = 5, together: bool = True) -> dict:
+def benchmark(
+    cfg: TrainConfig,
+    *,
+    steps: int = 20,
+    rounds: int = 5,
+    together: bool = True,
+    programs: tuple[str, ...] = ("off", "on"),
+) -> dict:
     """Seconds per train step of ``cfg`` with telemetry off and on.
 
-    Builds the trainer's program (:func:`coat_jax.training.loop.build_program`) both ways, from
-    the same parameters and tokens, and times ``rounds`` rounds of ``steps`` steps of each:
+    Builds the trainer's program (:func:`coat_jax.training.loop.build_program`) in each way of
+    ``programs``: ``"off"`` (no telemetry), ``"on"`` (``telemetry: true``: the optimizer
+    state's and, for FP8 activations, the activation telemetry), ``"state"`` (the optimizer
+    state's alone, the step before the activation telemetry existed). From the same parameters
+    and tokens it times ``rounds`` rounds of ``steps`` steps of each:
     alternating (``together``, so a machine's varying load hits both alike), or one program
     after the other, freeing the first (a model whose two states do not fit at once). Each step
     is blocked on: step latencies. Returns per program the median round's seconds per step
     (wall clock, and the process's CPU time, which a busy machine disturbs less), each round,
-    the compile time, XLA's temporary bytes and the last metrics.
+    the compile time, XLA's temporary bytes and the last metrics; ``overhead_*`` of each
+    program against the first (``"on"`` against ``"off"``: ``overhead_step_s``).
     """
+    unknown = set(programs) - {"off", "on", "state"}
+    if unknown or not programs:
+        raise ValueError(f"programs must be among 'off', 'on', 'state', got {list(programs)}")
     runs = {}
-    for name in ("off", "on"):
-        runs[name] = _BenchRun(dataclasses.replace(cfg, telemetry=name == "on"))
+    for name in programs:
+        telemetry = dataclasses.replace(cfg, telemetry=name != "off")
+        runs[name] = _BenchRun(telemetry, observe_activations=name != "state")
         if not together:
             for _ in range(rounds):
                 runs[name].round(steps)
@@ -766,19 +911,23 @@ def benchmark(cfg: TrainConfig, *, steps: int = 20, rounds: int = 5, together: b
             for run in runs.values():
                 run.round(steps)
     result = {name: run.summary() for name, run in runs.items()}
-    for key in ("step_s", "step_cpu_s"):
-        result[f"overhead_{key}"] = result["on"][key] / result["off"][key] - 1
+    base = programs[0]
+    for name in programs[1:]:
+        # "on" against "off" keeps its old name; any other pair is named.
+        tag = "" if (base, name) == ("off", "on") else f"_{name}_vs_{base}"
+        for key in ("step_s", "step_cpu_s"):
+            result[f"overhead_{key}{tag}"] = result[name][key] / result[base][key] - 1
     return result
 
 
 class _BenchRun:
     """One compiled train step of :func:`benchmark`, its state and its timings."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, *, observe_activations: bool = True):
         # Imported here: the loop imports this module.
         from coat_jax.training.loop import build_program
 
-        program = build_program(cfg, cfg.model)
+        program = build_program(cfg, cfg.model, observe_activations=observe_activations)
         params = program.init_params(jax.random.key(cfg.seed))
         opt_state = program.init_opt_state(params)
         tokens = np.random.default_rng(cfg.seed).integers(
@@ -839,6 +988,12 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each program")
     parser.add_argument(
+        "--programs",
+        default="off,on",
+        help="comma-separated programs to time, the first the base: off, on, state "
+        "(the optimizer state's telemetry without the activation telemetry)",
+    )
+    parser.add_argument(
         "--one-at-a-time",
         action="store_true",
         help="time one program, free it, then the other (a model whose two states do not fit)",
@@ -848,7 +1003,13 @@ def main(argv=None) -> None:
         args.overrides.insert(0, args.config)
         args.config = None
     cfg = load_config(args.config, args.overrides)
-    result = benchmark(cfg, steps=args.steps, rounds=args.rounds, together=not args.one_at_a_time)
+    result = benchmark(
+        cfg,
+        steps=args.steps,
+        rounds=args.rounds,
+        together=not args.one_at_a_time,
+        programs=tuple(args.programs.split(",")),
+    )
     result["device"] = str(jax.devices()[0].device_kind)
     result["config"] = {"config": args.config, "overrides": args.overrides}
     print(json.dumps(result, indent=1))
