@@ -313,6 +313,40 @@ def assert_same_telemetry(got: dict, want: dict) -> None:
             assert got[k] == v, (k, got[k], v)
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_apply_keeps_the_fused_kernel_and_reports_what_update_reports(every):
+    """``StateTelemetry.apply``, the trainer's step with the telemetry on: coat_adamw's fused
+    apply kernel and no separate update kernel; the new parameters and state of
+    ``apply_gradients`` bit for bit; the metrics of ``update`` (the same samples of the old
+    state, the same new moments) wherever it computes them."""
+    from coat_jax import optim
+    from tests.test_fused_apply import _pallas_calls
+
+    tx = optim.chain(
+        optim.clip_by_global_norm(CLIP), coat_adamw(1e-3, b1=B1, b2=B2, interpret=True)
+    )
+    telemetry = StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, every=every)
+    params, grads = problem()
+    state = tx.init(params)
+    names = _pallas_calls(lambda p, s, g: telemetry.apply(tx, g, s, p), params, state, grads(0))
+    assert names and all("coat_adamw_apply" in n for n in names), names
+    fused = jax.jit(lambda g, s, p: telemetry.apply(tx, g, s, p))
+    split = jax.jit(lambda g, s, p: telemetry.update(tx, g, s, p))
+    plain = jax.jit(lambda g, s, p: optim.apply_gradients(tx, g, s, p))
+    computed = []
+    for i in range(STEPS):
+        new_params, new_state, metrics = fused(grads(i), state, params)
+        assert tree_bytes((new_params, new_state)) == tree_bytes(plain(grads(i), state, params))
+        _, split_state, split_metrics = split(grads(i), state, params)
+        assert tree_bytes(split_state) == tree_bytes(new_state)
+        assert bool(metrics[COMPUTED]) == bool(split_metrics[COMPUTED])
+        if metrics[COMPUTED]:
+            computed.append(i + 1)
+            assert_same_telemetry(jax.device_get(metrics), jax.device_get(split_metrics))
+        params, state = new_params, new_state
+    assert computed == ([1, 2, 3] if every == 1 else [1, 2])
+
+
 @pytest.mark.parametrize(("setup", "expected"), [("coat", [1, 2]), ("fp8_state_adamw", [1, 3])])
 def test_sparse_telemetry_is_the_every_step_telemetry_where_computed(setup, expected):
     per_step = observed(setup)[0]

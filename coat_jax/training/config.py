@@ -93,8 +93,9 @@ class TrainConfig:
       ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
-      ``update`` then ``apply_updates``. Same state, same results to float32 rounding; ignored
-      with ``telemetry``, ``master_dtype: bfloat16`` and ``skip_nonfinite_steps``.
+      ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept
+      with ``telemetry`` (which samples the old state before the kernel overwrites it), ignored
+      with ``master_dtype: bfloat16`` and ``skip_nonfinite_steps``.
     - ``optimizer_in_backward``: update each decoder layer inside the backward pass, as soon as
       its gradient exists, so that the step never holds the whole gradient
       (``coat_jax.training.layerwise``; docs/memory_options.md). Needs ``scan_layers: true``

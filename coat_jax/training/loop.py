@@ -297,8 +297,9 @@ def make_train_step(
     FP8 activation ops used (:mod:`coat_jax.training.telemetry`); without it the step is the
     program it was before the activation telemetry existed. With
     ``fused_apply`` a ``tx`` that can apply itself (``coat_adamw``: its kernel writes the new
-    parameter) does so through ``coat_jax.optim.apply_gradients``; telemetry and bfloat16
-    parameters take ``tx.update`` and apply the updates apart.
+    parameter) does so through ``coat_jax.optim.apply_gradients``, with the telemetry too
+    (``StateTelemetry.apply``); bfloat16 parameters take ``tx.update`` and apply the updates
+    apart.
     """
     grad_fn = jax.value_and_grad(lambda p, t: next_token_loss(model_def, p, t))
     low_precision = any(
@@ -348,6 +349,9 @@ def make_train_step(
         elif fused_apply and telemetry is None:
             params, opt_state = apply_gradients(tx, grads, opt_state, params)
             observed = {}
+        elif fused_apply:
+            # The telemetry samples the old state first, then lets the kernel apply in place.
+            params, opt_state, observed = telemetry.apply(tx, grads, opt_state, params)
         else:
             updates, opt_state, observed = update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)

@@ -86,6 +86,7 @@ from coat_jax.optim import (
     DEFAULT_GROUP_SIZE,
     _moment_of,
     _moments_of,
+    apply_gradients,
     clip_factor,
     find_coat_states,
 )
@@ -364,18 +365,35 @@ class StateTelemetry:
         Returns:
           ``(updates, new_opt_state, metrics)``, ``metrics`` a dict of scalars.
         """
+        return self._run(tx.update, grads, opt_state, params)
+
+    def apply(self, tx: optax.GradientTransformation, grads, opt_state, params):
+        """``coat_jax.optim.apply_gradients(tx, grads, opt_state, params)`` plus the telemetry's
+        metrics: as :meth:`update`, but ``coat_adamw``'s fused kernel writes the new parameters
+        (and any other ``tx`` applies its updates), so the trainer keeps its fused step with the
+        telemetry on. The replay reads only what it sampled before the kernel overwrites the
+        old state and parameters in place (and the state's scalar step count).
+
+        Returns:
+          ``(new_params, new_opt_state, metrics)``.
+        """
+        return self._run(lambda g, s, p: apply_gradients(tx, g, s, p), grads, opt_state, params)
+
+    def _run(self, step, grads, opt_state, params):
         if self.every == 1:
             computed = jnp.asarray(True)
             when = lambda compute: compute()
         else:
             computed = jnp.asarray(self.computes(_step_count(opt_state) + 1))
             when = lambda compute: lax.cond(computed, compute, placeholder(compute))
-        updates, new_state, metrics = self._update(tx, grads, opt_state, params, when)
-        return updates, new_state, {**metrics, COMPUTED: computed}
+        out, new_state, metrics = self._update(step, grads, opt_state, params, when)
+        return out, new_state, {**metrics, COMPUTED: computed}
 
-    def _update(self, tx, grads, opt_state, params, when):
-        """:meth:`update`, with ``when(compute)`` the value of ``compute()`` if the telemetry is
-        computed at this step (and a placeholder of the same structure if not)."""
+    def _update(self, step, grads, opt_state, params, when):
+        """:meth:`update` / :meth:`apply` with ``step(grads, opt_state, params)`` the
+        optimizer's (``tx.update`` or the fused apply) and ``when(compute)`` the value of
+        ``compute()`` if the telemetry is computed at this step (and a placeholder of the same
+        structure if not)."""
         gs = self.group_size
         params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -400,7 +418,7 @@ class StateTelemetry:
             # overwrites the state in place (donated buffers, the Pallas kernel's aliasing),
             # and the barrier orders these reads before it, so no copy of the state is needed.
             grads, sample = lax.optimization_barrier((grads, sample))
-        updates, new_state = tx.update(grads, opt_state, params)
+        out, new_state = step(grads, opt_state, params)
         new = read(new_state)
 
         def measure():
@@ -415,7 +433,7 @@ class StateTelemetry:
                 metrics.update(_error_metrics(new, fields, exact, stored, plans))
             return dict(sorted(metrics.items()))
 
-        return updates, new_state, when(measure)
+        return out, new_state, when(measure)
 
     def _sample(self, kind, old, fields, plans, grads32, params32) -> dict:
         """What the replay needs of the old state and the (clipped) gradient, sampled."""
