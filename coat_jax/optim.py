@@ -283,14 +283,23 @@ def scale_by_coat_adam(
         count = jnp.zeros([], jnp.int32, device=_replicated_like(leaves))
         return _state_from_leaves(count, treedef, mus, nus)
 
-    def step(updates, state, params=None, decay=None, grad_scale=None):
+    def step(updates, state, params=None, decay=None, grad_scale=None, index=None):
         """One step: ``(updates, new_state)``; with ``decay = (learning_rate, weight decay per
         leaf)`` the update is applied to ``params`` too: ``(new_params, new_state)``, the
-        gradients multiplied by ``grad_scale`` first (a scalar or ``None``) inside the kernel."""
+        gradients multiplied by ``grad_scale`` first (a scalar or ``None``) inside the kernel.
+        With ``index`` (and ``decay``), ``params`` and ``state`` are stacks (every leaf with a
+        leading axis, the step count included) and element ``index`` is updated in place."""
         if grad_scale is not None and decay is None:
             raise ValueError("grad_scale is folded into the fused apply only: pass decay too")
+        if index is not None and decay is None:
+            raise ValueError("index applies to the fused apply only: pass decay too")
         leaves, treedef = jax.tree.flatten(updates)
-        count = optax.safe_increment(state.count)
+        if index is None:
+            count = optax.safe_increment(state.count)
+            new_count = count
+        else:
+            count = optax.safe_increment(_at(state.count, index))
+            new_count = _put(state.count, count, index)
         partitions = _leaf_partitions(updates, treedef, mesh, partition_specs)
         if decay is None:
             learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
@@ -309,15 +318,22 @@ def scale_by_coat_adam(
             if not isinstance(mu, quant.QuantizedTensor):
                 if grad_scale is not None:
                     g = g.astype(jnp.float32) * grad_scale
+                if index is not None:
+                    # Float32 moments (small, masked-out leaves): slice, step, write back.
+                    stacks = (p, mu, nu)
+                    p, mu, nu = (_at(x, index) for x in stacks)
                 m, v, u = kernels.adam_moments_and_update(
                     g, mu, nu, count=count, b1=b1, b2=b2, eps=eps
                 )
                 if p is None:
-                    out.append(u.astype(g.dtype))
+                    new_p = u.astype(g.dtype)
                 else:
-                    out.append(
-                        kernels.apply_update(p, u, learning_rate=learning_rate, weight_decay=wd)
+                    new_p = kernels.apply_update(p, u, learning_rate=learning_rate, weight_decay=wd)
+                if index is not None:
+                    new_p, m, v = (
+                        _put(x, y, index) for x, y in zip(stacks, (new_p, m, v), strict=True)
                     )
+                out.append(new_p)
                 mus.append(m)
                 nus.append(v)
                 continue
@@ -333,23 +349,26 @@ def scale_by_coat_adam(
                 mesh=mesh,
                 partition=partition,
             )
+            decayed = dict(learning_rate=learning_rate, weight_decay=wd, grad_scale=grad_scale)
             if p is None:
                 u, new_mu, new_nu = kernels.coat_adam_step(g, mu, nu, **hyper)
+            elif index is not None and g.shape[-1] % spec.group_size:
+                # The stacked kernel takes whole groups only: step the slices, write them back.
+                stacks = (p, mu, nu)
+                p, mu, nu = (jax.tree.map(lambda x: _at(x, index), x) for x in stacks)
+                new = kernels.coat_adamw_apply(p, g, mu, nu, **decayed, **hyper)
+                u, new_mu, new_nu = (
+                    jax.tree.map(lambda s, x: _put(s, x, index), stack, x)
+                    for stack, x in zip(stacks, new, strict=True)
+                )
             else:
                 u, new_mu, new_nu = kernels.coat_adamw_apply(
-                    p,
-                    g,
-                    mu,
-                    nu,
-                    learning_rate=learning_rate,
-                    weight_decay=wd,
-                    grad_scale=grad_scale,
-                    **hyper,
+                    p, g, mu, nu, index=index, **decayed, **hyper
                 )
             out.append(u)
             mus.append(new_mu)
             nus.append(new_nu)
-        return treedef.unflatten(out), _state_from_leaves(count, treedef, mus, nus)
+        return treedef.unflatten(out), _state_from_leaves(new_count, treedef, mus, nus)
 
     def update_fn(updates, state, params=None):
         del params
@@ -489,20 +508,29 @@ def coat_adamw(
         optax.scale_by_learning_rate(learning_rate),
     )
 
-    def apply_fn(grads, state, params, grad_scale=None):
+    def apply_fn(grads, state, params, grad_scale=None, index=None):
         coat_state, decay_state, lr_state = state
         if callable(learning_rate):
             # optax.scale_by_schedule: the rate at the count before this step, then count + 1.
-            lr = learning_rate(lr_state.count)
-            lr_state = lr_state._replace(count=optax.safe_increment(lr_state.count))
+            if index is None:
+                lr = learning_rate(lr_state.count)
+                lr_state = lr_state._replace(count=optax.safe_increment(lr_state.count))
+            else:
+                count = _at(lr_state.count, index)
+                lr = learning_rate(count)
+                lr_state = lr_state._replace(
+                    count=_put(lr_state.count, optax.safe_increment(count), index)
+                )
         else:
             lr = learning_rate
+        # The mask of one element: a mask function sees the parameters as tx.init saw them.
+        element = params if index is None else jax.tree.map(lambda x: _at(x, index), params)
         leaves, treedef = jax.tree.flatten(params)
         if mask is None:
             decays = [weight_decay] * len(leaves)
         else:
             # optax's MaskOrFn: a tree like the parameters or a prefix of it, or a function.
-            tree = mask(params) if callable(mask) else mask
+            tree = mask(element) if callable(mask) else mask
             try:
                 tree = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), tree, params)
             except (ValueError, TypeError) as e:
@@ -513,20 +541,34 @@ def coat_adamw(
             flags = flatten_option(tree, params, treedef, name="mask", of="bools")
             decays = [weight_decay if m else 0.0 for m in flags]
         new_params, coat_state = step(
-            grads, coat_state, params, decay=(lr, decays), grad_scale=grad_scale
+            grads, coat_state, params, decay=(lr, decays), grad_scale=grad_scale, index=index
         )
         return new_params, (coat_state, decay_state, lr_state)
 
-    return _with_apply(tx, apply_fn)
+    def apply_at_fn(grads, state, params, index):
+        return apply_fn(grads, state, params, index=index)
+
+    return _with_apply(tx, apply_fn, apply_at_fn)
 
 
-def _with_apply(tx: optax.GradientTransformation, apply_fn: Callable):
-    """``tx`` whose ``update`` carries ``apply_fn`` (read by :func:`apply_gradients`)."""
+def _at(x, index):
+    return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
+
+
+def _put(stack, x, index):
+    return jax.lax.dynamic_update_index_in_dim(stack, x, index, 0)
+
+
+def _with_apply(tx: optax.GradientTransformation, apply_fn: Callable, apply_at_fn=None):
+    """``tx`` whose ``update`` carries ``apply_fn`` (read by :func:`apply_gradients`) and, if
+    given, ``apply_at_fn`` (read by :func:`apply_gradients_at`)."""
 
     def update(updates, state, params=None, **extra_args):
         return tx.update(updates, state, params, **extra_args)
 
     update.apply = apply_fn
+    if apply_at_fn is not None:
+        update.apply_at = apply_at_fn
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
@@ -554,6 +596,36 @@ def apply_gradients(tx: optax.GradientTransformation, grads, state, params):
         return fused(grads, state, params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
+
+def apply_gradients_at(tx: optax.GradientTransformation, grads, state, params, index):
+    """:func:`apply_gradients` on element ``index`` of stacked parameters and state.
+
+    ``params`` and ``state`` are stacks: every leaf has a leading axis, as ``jax.vmap(tx.init)``
+    of one element's parameters makes them (a scanned model's layers, updated one layer at a
+    time inside the backward pass: ``optimizer_in_backward``); ``grads`` is one element's
+    gradient. Returns the whole stacks, element ``index`` stepped, the others unchanged.
+    :func:`coat_adamw`'s kernel reads and writes that element inside the stacks, so a step that
+    donates them copies no slice out and none back; any other ``tx`` is applied to the slices,
+    which are then written back.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, coat_jax
+      >>> tx = coat_jax.coat_adamw(1e-3)
+      >>> stack = {"w": jnp.zeros((3, 8, 128))}
+      >>> state = jax.vmap(tx.init)(stack)
+      >>> grads = {"w": jnp.ones((8, 128))}
+      >>> stack, state = coat_jax.optim.apply_gradients_at(tx, grads, state, stack, 1)
+      >>> [round(float(stack["w"][i].sum()), 3) for i in range(3)]
+      [0.0, -1.024, 0.0]
+    """
+    fused = getattr(tx.update, "apply_at", None)
+    if fused is not None:
+        return fused(grads, state, params, index)
+    at = lambda tree: jax.tree.map(lambda x: _at(x, index), tree)
+    new_params, new_state = apply_gradients(tx, grads, at(state), at(params))
+    put = lambda stack, x: _put(stack, x, index)
+    return jax.tree.map(put, params, new_params), jax.tree.map(put, state, new_state)
 
 
 def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

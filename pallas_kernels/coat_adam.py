@@ -275,6 +275,7 @@ def coat_adamw_apply(
     config: KernelConfig | None = None,
     mesh: Mesh | None = None,
     partition: PartitionSpec | None = None,
+    index=None,
 ) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
     """One whole COAT AdamW step of one parameter: ``(new_param, new_mu, new_nu)``.
 
@@ -294,21 +295,36 @@ def coat_adamw_apply(
       grad_scale: a scalar the gradient is multiplied by first, in float32 (``None``: 1), so that
         a global-norm clip costs no pass of its own over the gradient
         (``coat_jax.optim.clip_by_global_norm``); traced values are fine.
-      implementation, interpret, mesh, partition: as in :func:`coat_adam_step`.
+      implementation, interpret, mesh, partition: as in :func:`coat_adam_step`; ``partition``
+        is the gradient's (one element's) with ``index``.
       config: kernel launch settings (``None``: :data:`DEFAULT_CONFIG`).
+      index: ``None``, or an integer scalar (traced is fine): then ``param``, ``mu`` and ``nu``
+        are stacks ``[L, *grad.shape]`` (a scanned model's layers and their state) and the step
+        updates their element ``index`` in place, returning the whole stacks with the other
+        elements unchanged. The kernel reads and writes that element inside the stacks (the
+        stacks are aliased to the outputs), so a training step that donates them copies
+        nothing; the XLA path slices and writes back.
     """
     _check_placement(mesh, partition)
     kwargs = dict(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
     decay = dict(learning_rate=learning_rate, weight_decay=weight_decay)
     scale = dict(grad_scale=grad_scale)
+    stacked = index is not None
+    if stacked and (param.ndim != grad.ndim + 1 or param.shape[1:] != grad.shape):
+        raise ValueError(
+            f"with index, param must be a stack [L, *grad.shape]; got param {param.shape} for "
+            f"grad {grad.shape}"
+        )
+    if stacked and not jnp.issubdtype(jnp.asarray(index).dtype, jnp.integer):
+        raise TypeError(f"index must be an integer scalar, got {jnp.asarray(index).dtype}")
 
     def pallas():
         _check_kernel_spec(spec)
-        if param.shape != grad.shape:
+        if not stacked and param.shape != grad.shape:
             raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
         if not jnp.issubdtype(param.dtype, jnp.floating):
             raise TypeError(f"param must be a float array, got {param.dtype}")
-        hyper = _hyper_vector(spec=spec, **decay, **scale, **_no_spec(kwargs))
+        hyper = _hyper_vector(spec=spec, **decay, **scale, **_no_spec(kwargs), index=index)
         return _sharded_call(
             grad,
             param,
@@ -320,7 +336,18 @@ def coat_adamw_apply(
             interpret=interpret,
             mesh=mesh,
             partition=partition,
+            stacked=stacked,
         )
+
+    def xla():
+        if not stacked:
+            return coat_adamw_apply_reference(param, grad, mu, nu, **decay, **scale, **kwargs)
+        at = lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False)
+        new = coat_adamw_apply_reference(
+            at(param), grad, jax.tree.map(at, mu), jax.tree.map(at, nu), **decay, **scale, **kwargs
+        )
+        put = lambda stack, x: lax.dynamic_update_index_in_dim(stack, x, index, 0)
+        return tuple(jax.tree.map(put, old, x) for old, x in zip((param, mu, nu), new, strict=True))
 
     return dispatch(
         "coat_adamw_apply",
@@ -328,7 +355,7 @@ def coat_adamw_apply(
         interpret=interpret,
         mesh=mesh,
         pallas=pallas,
-        xla=lambda: coat_adamw_apply_reference(param, grad, mu, nu, **decay, **scale, **kwargs),
+        xla=xla,
     )[1]
 
 
@@ -401,7 +428,8 @@ DEFAULT_CONFIG = KernelConfig()
     _NEG_LR,
     _WD,
     _GRAD_SCALE,
-) = range(13)
+    _INDEX,
+) = range(14)
 _HYPER_SIZE = 16
 
 
@@ -410,7 +438,17 @@ def _no_spec(kwargs):
 
 
 def _hyper_vector(
-    *, count, b1, b2, eps, expand_min, spec, learning_rate=0.0, weight_decay=0.0, grad_scale=None
+    *,
+    count,
+    b1,
+    b2,
+    eps,
+    expand_min,
+    spec,
+    learning_rate=0.0,
+    weight_decay=0.0,
+    grad_scale=None,
+    index=None,
 ):
     """The numeric hyper-parameters as one float32 vector, computed as the reference does.
 
@@ -438,6 +476,8 @@ def _hyper_vector(
         -learning_rate,
         weight_decay,
         1.0 if grad_scale is None else grad_scale,
+        # The stacked apply's element (exact in float32 below 2**24).
+        0 if index is None else index,
     ]
     vec = jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in values])
     return jnp.pad(vec, (0, _HYPER_SIZE - len(values)))
@@ -593,6 +633,7 @@ def _kernel(
     fast_math: bool,
     flat: bool,
     native: bool,
+    stacked: bool = False,
 ):
     n_moment = 4 if spec.expansion else 2
     refs = list(refs)
@@ -603,12 +644,19 @@ def _kernel(
     nu_out = refs[3 * n_moment + 1 :]
     gs = spec.group_size
     math_ = _Math(fast_math, native)
-    h = [hyper_ref[i] for i in range(_GRAD_SCALE + 1)]
+    h = [hyper_ref[i] for i in range(_INDEX + 1)]
     expand_min = h[_EXPAND_MIN]
     # Masks only where the shape leaves a ragged edge, so the common case issues plain loads.
     ragged_rows = n_rows % (block_rows * tiles) != 0
     # Read once, outside the tile loop (interpret mode has no program id inside a loop body).
     first_row = pl.program_id(0) * (tiles * block_rows)
+    stacked_refs = set()
+    if stacked:
+        # The parameter and the moments are whole stacks (every element's rows one after the
+        # other); this program's rows of element `index` start at `stack_row`. The caller
+        # guarantees whole groups and whole programs (no masks).
+        stacked_refs = {id(r) for r in [param_ref, *refs]}
+        stack_row = h[_INDEX].astype(jnp.int32) * n_rows + first_row
     col_mask = None
     if n_cols % gs:
         cols = pl.program_id(1) * gs + lax.broadcasted_iota(jnp.int32, (1, gs), 1)
@@ -627,14 +675,19 @@ def _kernel(
         else:
             tile_mask = row_mask & col_mask
 
+        def view_of(ref):
+            if id(ref) in stacked_refs:
+                return ref.at[pl.ds(stack_row + first, block_rows), :]
+            return ref.at[window, :]
+
         def load(ref, mask, other):
-            view = ref.at[window, :]
+            view = view_of(ref)
             if mask is None:
                 return view[...]
             return pl_triton.load(view, mask=mask, other=jnp.asarray(other, ref.dtype))
 
         def store(ref, value, mask):
-            view = ref.at[window, :]
+            view = view_of(ref)
             if mask is None:
                 view[...] = value.astype(ref.dtype)
             else:
@@ -714,7 +767,17 @@ def _check_moment(
     return stats
 
 
-def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
+def _largest_pow2_dividing(n: int, limit: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``limit``."""
+    p = 1
+    while p * 2 <= limit and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret, stacked=False):
+    """The kernel on one parameter; with ``stacked``, ``param``, ``mu`` and ``nu`` are stacks
+    ``[L, *grad.shape]`` and the kernel updates their element ``hyper[_INDEX]`` in place."""
     config = DEFAULT_CONFIG if config is None else config
     if not jnp.issubdtype(grad.dtype, jnp.floating):
         raise TypeError(f"grad must be a float array, got {grad.dtype}")
@@ -724,8 +787,24 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
     gs = spec.group_size
     n = shape[-1]
     n_groups = quant.num_groups(n, gs)
-    mu_stats = _check_moment("mu", mu, spec.mu_format, shape, n_groups, spec)
-    nu_stats = _check_moment("nu", nu, spec.nu_format, shape, n_groups, spec)
+    layers = 1
+    if stacked:
+        if param is None or param.ndim != grad.ndim + 1 or param.shape[1:] != shape:
+            raise ValueError(
+                f"the stacked apply needs param [L, *grad.shape]; got param "
+                f"{None if param is None else param.shape} for grad {shape}"
+            )
+        layers = param.shape[0]
+    moment_shape = (layers, *shape) if stacked else shape
+    mu_stats = _check_moment("mu", mu, spec.mu_format, moment_shape, n_groups, spec)
+    nu_stats = _check_moment("nu", nu, spec.nu_format, moment_shape, n_groups, spec)
+    if stacked and n % gs:
+        # Whole-stack operands are sliced by hand; a short last group would need masked
+        # slices past a row's end, which interpret mode clamps instead of masking.
+        raise NotImplementedError(
+            f"the stacked apply needs a last axis that is a multiple of the group size {gs}, "
+            f"got {n}"
+        )
     require_gpu(interpret)
     rows = math.prod(shape[:-1])
     if n % gs == 0:
@@ -733,29 +812,43 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
         view_rows, view_cols, view_groups = rows * n_groups, gs, 1
     else:
         view_rows, view_cols, view_groups = rows, n, n_groups
-    block_rows = min(config.block_rows, _next_pow2(view_rows))
-    tiles = min(config.tiles, _next_pow2(pl.cdiv(view_rows, block_rows)))
+    if stacked:
+        # Whole programs only (no masks): the rows of one element split evenly.
+        block_rows = _largest_pow2_dividing(view_rows, config.block_rows)
+        tiles = _largest_pow2_dividing(view_rows // block_rows, config.tiles)
+    else:
+        block_rows = min(config.block_rows, _next_pow2(view_rows))
+        tiles = min(config.tiles, _next_pow2(pl.cdiv(view_rows, block_rows)))
     rows_per_program = block_rows * tiles
     grid = (pl.cdiv(view_rows, rows_per_program), view_groups)
 
     data_spec = pl.BlockSpec((rows_per_program, gs), lambda i, j: (i, j))
     stat_spec = pl.BlockSpec((rows_per_program, 1), lambda i, j: (i, j))
     hyper_spec = pl.BlockSpec((_HYPER_SIZE,), lambda i, j: (0,))
+    # A stack is one whole operand (its element's offset is a traced index, which a block
+    # index map cannot take); the kernel slices it.
+    stack_spec = pl.no_block_spec
 
     def data(x):
-        return x.reshape(view_rows, view_cols)
+        return x.reshape(layers * view_rows if x.ndim > len(shape) else view_rows, view_cols)
 
     def stat(x):
-        return x.reshape(view_rows, view_groups)
+        return x.reshape(layers * view_rows if x.ndim > len(shape) else view_rows, view_groups)
 
     apply = param is not None
     moments_in = [data(mu.codes), *map(stat, mu_stats), data(nu.codes), *map(stat, nu_stats)]
-    moment_specs = [data_spec] + [stat_spec] * len(mu_stats)
-    moment_specs = moment_specs + moment_specs
+    if stacked:
+        data_out, moment_specs = stack_spec, [stack_spec] * len(moments_in)
+        param_spec = stack_spec
+    else:
+        data_out, param_spec = data_spec, data_spec
+        moment_specs = [data_spec] + [stat_spec] * len(mu_stats)
+        moment_specs = moment_specs + moment_specs
     inputs = [hyper, data(grad)] + ([data(param)] if apply else []) + moments_in
-    in_specs = [hyper_spec, data_spec] + ([data_spec] if apply else []) + moment_specs
+    in_specs = [hyper_spec, data_spec] + ([param_spec] if apply else []) + moment_specs
     out_dtype = param.dtype if apply else grad.dtype
-    out_shape = [jax.ShapeDtypeStruct((view_rows, view_cols), out_dtype)] + [
+    out_rows = layers * view_rows if stacked else view_rows
+    out_shape = [jax.ShapeDtypeStruct((out_rows, view_cols), out_dtype)] + [
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in moments_in
     ]
     first_moment_input = 3 if apply else 2
@@ -775,6 +868,7 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
         fast_math=config.fast_math,
         flat=config.flat_stats,
         native=not interpret,
+        stacked=stacked,
     )
     compiler_params = (
         None
@@ -786,7 +880,7 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
         out_shape=out_shape,
         grid=grid,
         in_specs=in_specs,
-        out_specs=[data_spec] + moment_specs,
+        out_specs=[data_out] + moment_specs,
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=compiler_params,
@@ -794,17 +888,17 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret):
     )(*inputs)
 
     n_moment = len(mu_stats) + 1
-    stat_shape = (*shape[:-1], n_groups)
+    stat_shape = (*moment_shape[:-1], n_groups)
 
     def moment(parts, fmt):
         codes, *stats = parts
         stats = [s.reshape(stat_shape) for s in stats]
         return QuantizedTensor(
-            codes.reshape(shape), *stats, fmt=fmt, granularity="group", group_size=gs
+            codes.reshape(moment_shape), *stats, fmt=fmt, granularity="group", group_size=gs
         )
 
     return (
-        out.reshape(shape),
+        out.reshape(moment_shape if stacked else shape),
         moment(moments_out[:n_moment], spec.mu_format),
         moment(moments_out[n_moment:], spec.nu_format),
     )
@@ -851,31 +945,35 @@ def coat_adam_step_pallas(
     )
 
 
-def _sharded_call(grad, param, mu, nu, hyper, *, spec, config, interpret, mesh, partition):
-    """:func:`_fused_call`, on each shard of a parameter split as ``partition`` over ``mesh``."""
+def _sharded_call(
+    grad, param, mu, nu, hyper, *, spec, config, interpret, mesh, partition, stacked=False
+):
+    """:func:`_fused_call`, on each shard of a parameter split as ``partition`` over ``mesh``
+    (with ``stacked``: ``partition`` is one element's; the stacks' leading axis is not split)."""
+    kw = dict(spec=spec, config=config, interpret=interpret, stacked=stacked)
     if mesh is None:
-        return _fused_call(
-            grad, param, mu, nu, hyper, spec=spec, config=config, interpret=interpret
-        )
+        return _fused_call(grad, param, mu, nu, hyper, **kw)
     shape = grad.shape
     n_groups = quant.num_groups(shape[-1], spec.group_size)
+    moment_shape = param.shape if stacked else shape
     # Whole-array checks first, so that a mismatch is reported in the caller's shapes.
-    _check_moment("mu", mu, spec.mu_format, shape, n_groups, spec)
-    _check_moment("nu", nu, spec.nu_format, shape, n_groups, spec)
+    _check_moment("mu", mu, spec.mu_format, moment_shape, n_groups, spec)
+    _check_moment("nu", nu, spec.nu_format, moment_shape, n_groups, spec)
     check_spec(partition, shape, mesh, f"the partition of a parameter of shape {shape}")
     split = group_aligned_spec(partition, shape, mesh, spec.group_size)
+    state_split = PartitionSpec(None, *split) if stacked else split
     apply = param is not None
 
     def local(hyper, grad, *rest):
         p = rest[0] if apply else None
         mu_l, nu_l = rest[-2:]
-        return _fused_call(
-            grad, p, mu_l, nu_l, hyper, spec=spec, config=config, interpret=interpret
-        )
+        return _fused_call(grad, p, mu_l, nu_l, hyper, **kw)
 
     # One spec per moment, for its codes and its statistics alike: the statistics have the
     # parameter's rank and every group lies on one shard.
-    in_specs = (PartitionSpec(), split) + ((split,) if apply else ()) + (split, split)
-    return shard_map(local, mesh, in_specs, (split, split, split))(
+    in_specs = (PartitionSpec(), split) + ((state_split,) if apply else ())
+    in_specs = in_specs + (state_split, state_split)
+    out_specs = (state_split, state_split, state_split)
+    return shard_map(local, mesh, in_specs, out_specs)(
         hyper, grad, *((param,) if apply else ()), mu, nu
     )

@@ -283,3 +283,118 @@ def test_grad_scale_needs_the_fused_apply():
     params = {"w": jnp.ones((8, 128))}
     with pytest.raises(ValueError, match="fused apply only"):
         tx.update.step(params, tx.init(params), params, grad_scale=jnp.float32(0.5))
+
+
+# ----------------------------------------------------------------- one element of stacks
+
+LAYERS = 3
+
+
+def _stacked(seed):
+    """Stacks of ``LAYERS`` elements: an FP8-state matrix, a short-group matrix (FP8 on the XLA
+    path only), a vector with float32 moments (fp8_mask) and a scalar."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shapes = {"w": (8, 256), "v": (3, 200), "n": (256,), "s": ()}
+    return {
+        k: jax.random.normal(key, (LAYERS, *shape), jnp.float32)
+        for key, (k, shape) in zip(keys, shapes.items(), strict=True)
+    }
+
+
+def _one(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def _stacked_tx(implementation):
+    schedule = optax.linear_schedule(1e-2, 1e-3, 10)
+    return coat_jax.coat_adamw(
+        schedule,
+        weight_decay=0.1,
+        mask=lambda p: {k: k != "n" for k in p},
+        fp8_mask=lambda p: {k: k != "n" for k in p},
+        implementation=implementation,
+        interpret=implementation != "xla",
+    )
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_apply_at_steps_one_element_as_apply_gradients_would(implementation):
+    """``apply_gradients_at(tx, g, stacked_state, stacked_params, i)``: element ``i`` of the
+    result is ``apply_gradients(tx, g, state[i], params[i])`` (the kernel's and XLA's alike:
+    FP8 codes and counts bit for bit, float32 values to rounding), with the schedule, the
+    weight-decay mask, float32 moments and a short last group per element; the other elements
+    are untouched, bit for bit; three steps on different elements in turn."""
+    tx = _stacked_tx(implementation)
+    params = _stacked(0)
+    state = jax.vmap(tx.init)(params)
+    at = jax.jit(lambda g, s, p, i: optim.apply_gradients_at(tx, g, s, p, i))
+    alone = jax.jit(lambda g, s, p: optim.apply_gradients(tx, g, s, p))
+    for t, index in enumerate((1, 0, 1)):
+        grads = jax.tree.map(lambda p, t=t: 0.1 * jnp.sin(p[0] * (t + 1)), params)
+        new_params, new_state = at(grads, state, params, jnp.int32(index))
+        want_params, want_state = alone(grads, _one(state, index), _one(params, index))
+        for new, old, want in zip(
+            jax.tree.leaves((new_params, new_state)),
+            jax.tree.leaves((params, state)),
+            jax.tree.leaves((want_params, want_state)),
+            strict=True,
+        ):
+            new, old, want = np.asarray(new), np.asarray(old), np.asarray(want)
+            if new.dtype == np.float32:
+                # XLA fuses the element's float32 arithmetic differently in the two programs
+                # (a multiply-add contracted or not): a few ulps apart.
+                atol = 1e-5 * float(np.max(np.abs(want), initial=0.0))
+                np.testing.assert_allclose(new[index], want, rtol=1e-5, atol=atol)
+            else:
+                np.testing.assert_array_equal(new[index], want)
+            others = [i for i in range(LAYERS) if i != index]
+            np.testing.assert_array_equal(new[others], old[others])
+        params, state = new_params, new_state
+    counts = [np.asarray(x) for x in jax.tree.leaves(state) if np.asarray(x).dtype == np.int32]
+    assert counts and all(c.tolist() == [1, 2, 0] for c in counts), counts
+
+
+def test_apply_at_reads_and_writes_the_kernels_stacks_in_place():
+    """On the kernel path the FP8 stacks go whole into the kernel: no slice of them out, no
+    write-back (what would copy a layer's state per layer in optimizer_in_backward)."""
+    tx = _stacked_tx("pallas")
+    params = _stacked(0)
+    state = jax.vmap(tx.init)(params)
+    grads = _one(params, 0)
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr = jax.make_jaxpr(lambda g, s, p: optim.apply_gradients_at(tx, g, s, p, 1))(
+        grads, state, params
+    )
+    # What XLA keeps: the mask function's slices of the parameters are dead code.
+    live, _ = pe.dce_jaxpr(jaxpr.jaxpr, [True] * len(jaxpr.jaxpr.outvars))
+    fp8_stack = (LAYERS, 8, 256)
+    sliced = [
+        e
+        for e in _equations(live)
+        if e.primitive.name in ("dynamic_slice", "dynamic_update_slice", "gather", "scatter")
+        and any(tuple(getattr(v.aval, "shape", ())) == fp8_stack for v in e.invars)
+    ]
+    assert not sliced, [e.primitive.name for e in sliced]
+    assert any(
+        "coat_adamw_apply" in n
+        for n in _pallas_calls(
+            lambda g, s, p: optim.apply_gradients_at(tx, g, s, p, 1), grads, state, params
+        )
+    )
+
+
+def test_apply_at_without_a_fused_apply_slices_and_writes_back():
+    tx = optax.adamw(1e-2)
+    params = _stacked(1)
+    state = jax.vmap(tx.init)(params)
+    grads = jax.tree.map(lambda p: 0.1 * p[0], params)
+    new_params, new_state = optim.apply_gradients_at(tx, grads, state, params, 2)
+    want_params, want_state = optim.apply_gradients(tx, grads, _one(state, 2), _one(params, 2))
+    for new, want in zip(
+        jax.tree.leaves((new_params, new_state)),
+        jax.tree.leaves((want_params, want_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(new)[2], np.asarray(want))
+    np.testing.assert_array_equal(new_params["w"][:2], params["w"][:2])

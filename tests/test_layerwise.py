@@ -99,9 +99,23 @@ def test_equals_the_plain_step(extra):
     assert int(layerwise[1].count) == 3
 
 
-def test_pallas_kernels_in_the_backward_scan():
-    """The fused coat_adamw kernel and the FP8 kernels (Pallas interpret) inside the scan."""
-    extra = ["kernels=interpret", "model.num_hidden_layers=1", "batch_size=2"]
+# Every layer weight's last axis a multiple of 128 (COAT's group): the kernel steps each layer
+# inside the stacks (apply_gradients_at) instead of stepping slices.
+WHOLE_GROUPS = [
+    "model.hidden_size=128",
+    "model.intermediate_size=256",
+    "model.num_attention_heads=8",
+    "model.num_key_value_heads=8",
+]
+
+
+@pytest.mark.parametrize("shape", [[], WHOLE_GROUPS], ids=["short-groups", "whole-groups"])
+def test_pallas_kernels_in_the_backward_scan(shape):
+    """The fused coat_adamw kernel and the FP8 kernels (Pallas interpret) inside the scan: on
+    slices of the stacks (short groups) or inside them (whole groups)."""
+    extra = ["kernels=interpret", "model.num_hidden_layers=1", "batch_size=2", *shape]
+    if shape:
+        extra += ["model.num_hidden_layers=2", "seq_len=16"]
     plain = run_steps(program(*extra), steps=2)
     layerwise = run_steps(program(*extra, "optimizer_in_backward=true"), steps=2)
     assert_same_training(layerwise, plain)
@@ -152,6 +166,57 @@ def test_weight_codes_made_once_are_not_stacked_again():
     fp8 = program("optimizer_in_backward=true", "fp8_weight_residual=fp8")
     assert _stacked_fp8_outputs(once) == []
     assert len(_stacked_fp8_outputs(fp8)) == 7
+
+
+def _slices_of_fp8_stacks(prog) -> list[str]:
+    """The live slice and write-back equations of the step whose operand is a stacked E5M2
+    moment (codes ``[layers, ...]``), anywhere in the step (scan bodies included)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    state = prog.abstract_opt_state.layers
+    stacks = {
+        (tuple(x.shape), x.dtype)
+        for x in jax.tree.leaves(state)
+        if x.dtype == jnp.float8_e5m2 and x.ndim == 3
+    }
+    assert stacks
+    closed = prog.step_fn.trace(
+        prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()
+    ).jaxpr
+    live, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    found = []
+
+    def walk(jx):
+        for e in jx.eqns:
+            if e.primitive.name in ("dynamic_slice", "dynamic_update_slice") and any(
+                (tuple(getattr(v.aval, "shape", ())), getattr(v.aval, "dtype", None)) in stacks
+                for v in e.invars
+            ):
+                found.append(e.primitive.name)
+            for v in e.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(live)
+    return found
+
+
+@pytest.mark.parametrize("kernels", ["xla", "interpret"])
+def test_the_kernel_steps_each_layer_inside_the_stacks(kernels):
+    """coat_adamw's fused apply steps layer i inside the stacked state (apply_gradients_at):
+    on the kernel path no slice of a stacked FP8 moment is read out or written back in the
+    backward scan; the unfused step slices and writes back (so the check can fail). The XLA
+    reference path slices inside its apply (XLA fuses those into in-place updates)."""
+    # E5M2 moments: the stacked weight codes the backward reads by index are E4M3.
+    extra = [*WHOLE_GROUPS, f"kernels={kernels}", "optimizer_in_backward=true"]
+    extra += ["mu_format=e5m2", "nu_format=e5m2"]
+    in_place = _slices_of_fp8_stacks(program(*extra))
+    unfused = _slices_of_fp8_stacks(program(*extra, "fused_apply=false"))
+    assert unfused
+    if kernels == "interpret":
+        assert in_place == [], in_place
 
 
 def _compiled_temp_bytes(prog) -> int:
@@ -263,8 +328,13 @@ print("REPORT" + json.dumps(out))
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["kernels=interpret", "model.num_hidden_layers=1"]],
-    ids=["xla", "pallas-per-shard"],
+    [
+        [],
+        ["kernels=interpret", "model.num_hidden_layers=1"],
+        # The kernel steps each layer inside the stacks, per shard.
+        ["kernels=interpret", *WHOLE_GROUPS, "seq_len=16", "mu_format=e5m2"],
+    ],
+    ids=["xla", "pallas-per-shard", "pallas-in-place-per-shard"],
 )
 def test_eight_devices_match_the_plain_step(extra):
     """On a (data 2, fsdp 4) mesh; with the Pallas kernels (interpret mode) each runs per shard
@@ -278,5 +348,6 @@ def test_eight_devices_match_the_plain_step(extra):
     assert np.linalg.norm(p - q) / np.linalg.norm(p) < 1e-5
     # The per-layer FP8 moments sit like their stacked parameter: layer axis whole, FSDP inside.
     shape, spec = layerwise["specs"]["mu_codes_q"]
-    assert shape[0] == (1 if extra else 2) and spec[0] == "None" and "fsdp" in spec
+    layers = 1 if "model.num_hidden_layers=1" in extra else 2
+    assert shape[0] == layers and spec[0] == "None" and "fsdp" in spec
     assert layerwise["specs"]["param_q"] == spec

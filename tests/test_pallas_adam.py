@@ -427,3 +427,157 @@ def test_auto_uses_reference_for_odd_group_sizes():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert quant.num_groups(200, 96) == got[1].scale.shape[-1]
+
+
+def _stacked_moment(key, shape, fmt, spec, *, positive):
+    """A non-trivial stacked moment ``[L, ...]``: quantized random values."""
+    x = jax.random.normal(key, shape, jnp.float32) * 1e-3
+    return ca.quantize_moment(jnp.abs(x) if positive else x, fmt, spec, HYPER["expand_min"])
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize(
+    "shape,expansion,config",
+    [
+        ((24, 256), True, None),  # 48 groups per element: 3 programs of 16
+        ((256,), False, None),  # 2 groups per element: one program of 2
+        ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=2)),  # 48 groups, tile loops
+    ],
+)
+def test_stacked_apply_updates_one_element_in_place(mode, shape, expansion, config):
+    """``coat_adamw_apply(..., index=i)`` on stacks ``[L, ...]``: element ``i`` becomes what the
+    step gives that element alone (the kernel's own result, bit for bit in interpret mode; the
+    XLA path's slice, step and write-back likewise), every other element stays as it was, bit
+    for bit."""
+    spec = ca.MomentSpec(expansion=expansion, nu_format="e5m2")
+    layers = 3
+    keys = jax.random.split(jax.random.key(21), 4)
+    p = jax.random.normal(keys[0], (layers, *shape), jnp.float32)
+    g = jax.random.normal(keys[1], shape, jnp.float32) * 1e-2
+    mu = _stacked_moment(keys[2], (layers, *shape), "e4m3", spec, positive=False)
+    nu = _stacked_moment(keys[3], (layers, *shape), "e5m2", spec, positive=True)
+    kw = dict(count=jnp.int32(5), learning_rate=3e-3, weight_decay=0.1, spec=spec, **HYPER)
+    interpret = mode == "interpret"
+
+    @jax.jit
+    def stacked(p, g, mu, nu, index):
+        return ca.coat_adamw_apply(
+            p,
+            g,
+            mu,
+            nu,
+            index=index,
+            implementation="pallas",
+            interpret=interpret,
+            config=config,
+            **kw,
+        )
+
+    @jax.jit
+    def alone(p, g, mu, nu):
+        return ca.coat_adamw_apply(
+            p, g, mu, nu, implementation="pallas", interpret=interpret, config=config, **kw
+        )
+
+    xla = jax.jit(
+        lambda p, g, mu, nu, index: ca.coat_adamw_apply(
+            p, g, mu, nu, index=index, implementation="xla", **kw
+        )
+    )
+    xla_alone = jax.jit(
+        lambda p, g, mu, nu: ca.coat_adamw_apply(p, g, mu, nu, implementation="xla", **kw)
+    )
+    at = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
+    for index in (0, layers - 1):
+        got = stacked(p, g, mu, nu, jnp.int32(index))
+        want = alone(p[index], g, at(mu, index), at(nu, index))
+        ref = xla(p, g, mu, nu, jnp.int32(index))
+        ref_alone = xla_alone(p[index], g, at(mu, index), at(nu, index))
+        for new, old, one, r in zip(
+            jax.tree.leaves(got),
+            jax.tree.leaves((p, mu, nu)),
+            jax.tree.leaves(want),
+            jax.tree.leaves(ref),
+            strict=True,
+        ):
+            new, old, r = np.asarray(new), np.asarray(old), np.asarray(r)
+            others = [i for i in range(layers) if i != index]
+            np.testing.assert_array_equal(new[others], old[others])
+            np.testing.assert_array_equal(r[others], old[others])
+            if interpret:
+                np.testing.assert_array_equal(new[index], np.asarray(one))
+        # The XLA path's element (sliced inside one program) is the XLA step of that element
+        # alone, bit for bit.
+        for a, b in zip(jax.tree.leaves(at(ref, index)), jax.tree.leaves(ref_alone), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # The kernel's element against the reference's, to the kernel's usual bounds.
+        np.testing.assert_allclose(got[0][index], ref[0][index], rtol=1e-6, atol=3e-3 * 1e-5)
+        _assert_codes_match(got[1].codes[index], ref[1].codes[index], f"mu {index}")
+        _assert_codes_match(got[2].codes[index], ref[2].codes[index], f"nu {index}")
+
+
+def test_stacked_apply_bad_input():
+    spec = ca.MomentSpec()
+    kw = dict(count=1, learning_rate=1e-3, weight_decay=0.0, spec=spec, **HYPER)
+    mu = _stacked_moment(jax.random.key(0), (2, 4, 300), "e4m3", spec, positive=False)
+    nu = _stacked_moment(jax.random.key(1), (2, 4, 300), "e4m3", spec, positive=True)
+    p, g = jnp.zeros((2, 4, 300)), jnp.zeros((4, 300))
+    with pytest.raises(ValueError, match="stack"):
+        ca.coat_adamw_apply(p[0], g, mu, nu, index=0, implementation="xla", **kw)
+    with pytest.raises(TypeError, match="integer"):
+        ca.coat_adamw_apply(p, g, mu, nu, index=0.5, implementation="xla", **kw)
+    # A short last group: the stacked kernel declines; "pallas" says so, "auto" takes XLA's way.
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        ca.coat_adamw_apply(p, g, mu, nu, index=1, implementation="pallas", interpret=True, **kw)
+    new_p, _, _ = ca.coat_adamw_apply(
+        p, g, mu, nu, index=1, implementation="auto", interpret=True, **kw
+    )
+    assert new_p.shape == p.shape
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels themselves")
+@pytest.mark.parametrize(
+    "config,stacked",
+    [
+        (None, False),
+        (None, True),
+        (ca.KernelConfig(flat_stats=False, tiles=4, num_stages=2), False),
+        (ca.KernelConfig(block_rows=8, tiles=2), True),
+    ],
+    ids=str,
+)
+def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked):
+    """Without a GPU (CI): the real kernel's Pallas-to-Triton lowering for CUDA, through
+    ``jax.export`` (no PTX is compiled: that needs the GPU's XLA). It catches what interpret mode
+    cannot: a primitive, a shape or a block the Triton backend does not take."""
+    from jax import export
+
+    monkeypatch.setattr(ca, "require_gpu", lambda interpret: None)
+    spec = ca.MomentSpec(nu_format="e5m2")
+    layers, shape = 3, (64, 256)
+    stack = (layers, *shape) if stacked else shape
+    mu = _zero_moment(stack, "e4m3", spec)
+    nu = _zero_moment(stack, "e5m2", spec)
+    kw = dict(count=jnp.int32(1), learning_rate=1e-3, weight_decay=0.1, spec=spec, **HYPER)
+
+    def step(p, g, mu, nu, index):
+        return ca.coat_adamw_apply(
+            p,
+            g,
+            mu,
+            nu,
+            index=index if stacked else None,
+            implementation="pallas",
+            config=config,
+            **kw,
+        )
+
+    exported = export.export(
+        jax.jit(step),
+        platforms=("cuda",),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(jnp.zeros(stack), jnp.zeros(shape), mu, nu, jnp.int32(1))
+    module = exported.mlir_module()
+    assert module.count("__gpu$xla.gpu.triton") == 1
+    # Parameter and moments are written in place: every output aliases an input.
+    assert module.count("#stablehlo.output_operand_alias<") == 9

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax.llama import default_positions
 from coat_jax.master import apply_updates_stochastic
-from coat_jax.optim import apply_gradients
+from coat_jax.optim import apply_gradients, apply_gradients_at
 from coat_jax.training import sharding
 from coat_jax.training.telemetry import ActivationTelemetry
 
@@ -154,12 +154,17 @@ def make_train_step(
         (``coat_jax.master.float32_optimizer``); each update is then applied with stochastic
         rounding, keyed by ``seed``, the step count and the layer.
       loss_from_hidden: ``(model, hidden_BTD, labels_BT) -> mean loss`` (the trainer's).
-      fused_apply: apply through ``coat_jax.apply_gradients`` (coat_adamw's fused kernel).
+      fused_apply: apply through ``coat_jax.apply_gradients`` (coat_adamw's fused kernel);
+        for a ``tx`` whose kernel can step one layer inside the stacks (``coat_adamw``:
+        ``coat_jax.optim.apply_gradients_at``), in place, with no slice of a layer's state
+        read out or written back.
       activations: the activation telemetry (``act/`` metrics): each layer's scales leave the
         forward scan as an output beside its residuals, the final norm's its ``vjp``. On the
         steps it does not compute (:meth:`ActivationTelemetry.computes` of the state's count
         plus one), placeholders. ``None``: the step without it, unchanged.
     """
+
+    in_place = fused_apply and not low_precision and hasattr(tx.update, "apply_at")
 
     def update(grads, state, params, key):
         if low_precision:
@@ -251,13 +256,16 @@ def make_train_step(
         # expanded away before fusion). The CPU still copies the stacked FP8 moments, which it
         # computes in float16; on the H200 they are written in place (Llama-2-7B, batch 1: the
         # same compiled peak as with them carried as uint8 bytes, 47.45 GiB).
-        def backward(carry, xs):
-            g_BTD, layers, states, p_l, s_l, head_params, sum_sq = carry
-            kept, i = xs
+        def layer_gradient(g_BTD, p_l, kept, i):
             weights, kept = jax.tree.leaves((p_l, _at(codes, i))), iter(kept)
             leaves = [next(kept) if k is None else weights[k] for k in layout["weight"]]
             pullback = jax.tree.unflatten(layout["treedef"], leaves)
-            g_l, g_BTD = pullback(g_BTD)
+            return pullback(g_BTD)
+
+        def backward(carry, xs):
+            g_BTD, layers, states, p_l, s_l, head_params, sum_sq = carry
+            kept, i = xs
+            g_l, g_BTD = layer_gradient(g_BTD, p_l, kept, i)
             key = jax.random.fold_in(keys[1], i + 1)
             new_p, new_s = update({LAYER_KEY: g_l}, s_l, {LAYER_KEY: p_l}, key)
             layers = _put(layers, new_p[LAYER_KEY], i)
@@ -266,12 +274,30 @@ def make_train_step(
             carry = (g_BTD, layers, states, _at(layers, ahead), _at(states, ahead), head_params)
             return (*carry, sum_sq + _sum_squares(g_l)), None
 
+        def backward_in_place(carry, xs):
+            # coat_adamw's kernel steps layer i inside the stacks (apply_gradients_at): no
+            # slice of the layer's state is read out and nothing is written back. Only the
+            # layer's weights the pullback needs are read, one iteration ahead as above.
+            g_BTD, layers, states, p_l, head_params, sum_sq = carry
+            kept, i = xs
+            g_l, g_BTD = layer_gradient(g_BTD, p_l, kept, i)
+            new_p, states = apply_gradients_at(tx, {LAYER_KEY: g_l}, states, {LAYER_KEY: layers}, i)
+            layers = new_p[LAYER_KEY]
+            ahead = jnp.maximum(i - 1, 0)
+            carry = (g_BTD, layers, states, _at(layers, ahead), head_params)
+            return (*carry, sum_sq + _sum_squares(g_l)), None
+
         last = num_layers - 1
         states = opt_state.layers
-        carry = (g_BTD, layers, states, _at(layers, last), _at(states, last), head_params, sum_sq)
         xs = (residuals, jnp.arange(num_layers))
-        carry, _ = lax.scan(backward, carry, xs, reverse=True)
-        g_BTD, layers, layer_states, _, _, head_params, sum_sq = carry
+        if in_place:
+            carry = (g_BTD, layers, states, _at(layers, last), head_params, sum_sq)
+            carry, _ = lax.scan(backward_in_place, carry, xs, reverse=True)
+            g_BTD, layers, layer_states, _, head_params, sum_sq = carry
+        else:
+            carry = (g_BTD, layers, states, _at(layers, last), _at(states, last))
+            carry, _ = lax.scan(backward, (*carry, head_params, sum_sq), xs, reverse=True)
+            g_BTD, layers, layer_states, _, _, head_params, sum_sq = carry
         (g_lookup,) = embed_vjp(g_BTD)
         g_embed = jax.tree.map(jnp.add, g_embed, g_lookup)
         embed_params, embed_state = update(g_embed, opt_state.embed, embed_params, keys[1])
