@@ -12,8 +12,10 @@ optimizer state, the largest item of the step's peak after them. Here (trainer k
    then the final norm and the loss;
 2. backward: a reverse scan whose carry holds the stacked parameters and their optimizer state.
    At layer ``l`` it pulls the cotangent through the layer, gets that layer's gradient, runs the
-   optimizer on it (``coat_jax.apply_gradients``: coat_adamw's fused kernel) and writes the new
-   weights and state into the carry in place. Only one layer's gradient exists at a time;
+   optimizer on it and writes the new weights and state into the carry in place: coat_adamw's
+   fused kernel steps layer ``l`` inside the stacks itself (``coat_jax.optim.
+   apply_gradients_at``), any other optimizer on the layer's slices, written back. Only one
+   layer's gradient exists at a time;
 3. the embedding, the final norm and the LM head are updated last, with the embedding's
    gradient complete (tied or not).
 
