@@ -523,14 +523,18 @@ def coat_adamw(
                 )
         else:
             lr = learning_rate
-        # The mask of one element: a mask function sees the parameters as tx.init saw them.
-        element = params if index is None else jax.tree.map(lambda x: _at(x, index), params)
         leaves, treedef = jax.tree.flatten(params)
         if mask is None:
             decays = [weight_decay] * len(leaves)
         else:
-            # optax's MaskOrFn: a tree like the parameters or a prefix of it, or a function.
-            tree = mask(element) if callable(mask) else mask
+            # optax's MaskOrFn: a tree like the parameters or a prefix of it, or a function (of
+            # one element with an index: the parameters as tx.init saw them).
+            if callable(mask):
+                tree = mask(
+                    params if index is None else jax.tree.map(lambda x: _at(x, index), params)
+                )
+            else:
+                tree = mask
             try:
                 tree = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), tree, params)
             except (ValueError, TypeError) as e:
