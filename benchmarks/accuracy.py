@@ -329,6 +329,14 @@ def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
     return ", ".join(parts)
 
 
+def held_out_text(setting: str) -> str:
+    """The documents a setting validates on, for the report."""
+    if SETTINGS[setting].get("code_corpus"):
+        names = ", ".join(f"`{n}`" for n in CODE_HELD_OUT)
+        return f"{names} of `{CODE_CORPUS}` (whole files, chosen by a hash of their path)"
+    return f"`{HELD_OUT}`"
+
+
 def write_report(rows: list[dict], doc: Path) -> str:
     summary = summarize(rows)
     plot = doc.with_suffix(".png")
@@ -338,8 +346,8 @@ def write_report(rows: list[dict], doc: Path) -> str:
         "",
         "Written by `benchmarks/accuracy.py --report` from the runs' `results.jsonl`; every number",
         "is read from the runs' own `metrics.jsonl`. Validation loss is measured on held-out text",
-        f"(`{HELD_OUT}`, held out whole and never trained on). Each cell: the mean over seeds,",
-        "then [min, max] over seeds; gap: the mode's mean against BF16 + AdamW's, in %, and",
+        "(whole documents never trained on; each setting names them). Each cell: the mean over",
+        "seeds, then [min, max] over seeds; gap: the mode's mean against BF16 + AdamW's, in %, and",
         "whether the two means differ by at most BF16's own seed range (its max minus min).",
         "",
         f"![validation curves]({plot.name})",
@@ -355,7 +363,8 @@ def write_report(rows: list[dict], doc: Path) -> str:
             "",
             f"{first['params'] / 1e6:.1f}M parameters, {first['steps']} steps, "
             f"{first['tokens'] / 1e6:.2f}M tokens per run; {first['device']}, JAX {first['jax']}, "
-            f"{first['date']}. First command: `{first['command']}`",
+            f"{first['date']}. Held out: {held_out_text(setting)}. "
+            f"First command: `{first['command']}`",
             "",
             "| mode | seeds | "
             + " | ".join(f"{title} | gap" for _, title in METRICS.values())
@@ -428,7 +437,8 @@ def plot_curves(summary: dict, path: Path) -> None:
                     lw=1.2,
                     label=f"{MODE_TITLES[key[1]]}" if j == 0 else None,
                 )
-        ax.set_title(f"{setting}: validation loss (held out: {HELD_OUT})", fontsize=9)
+        held = ", ".join(CODE_HELD_OUT) if SETTINGS[setting].get("code_corpus") else HELD_OUT
+        ax.set_title(f"{setting}: validation loss (held out: {held})", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss")
         ax.legend(fontsize=8)

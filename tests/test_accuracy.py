@@ -51,6 +51,21 @@ def test_val_documents_errors_name_the_documents(tmp_path):
         tokenize_to_cache(str(root), tok, str(tmp_path / "c"), 0.1, ",".join(names))
 
 
+def test_encode_many_equals_encode_per_document(monkeypatch):
+    # The cache's tokens do not depend on how many documents a fast tokenizer encodes at once.
+    from coat_jax.training import data
+    from coat_jax.training.export import byte_tokenizer_hf
+
+    tok = Tokenizer(byte_tokenizer_hf(), "byte-hf")
+    texts = [f"doc {i}: " + "héllo wörld " * (i + 1) for i in range(5)]
+    monkeypatch.setattr(data.os, "cpu_count", lambda: 2)  # three batches of at most two
+    many = list(tok.encode_many(texts))
+    assert len(many) == 5
+    for text, ids in zip(texts, many, strict=True):
+        np.testing.assert_array_equal(ids, tok.encode(text))
+        assert len(ids) == len(text.encode())
+
+
 def _row(mode, seed, final, best, train, setting="tiny"):
     return {
         "setting": setting,

@@ -49,9 +49,20 @@ def assert_same_training(got, want):
         assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(a)
 
 
-def run_steps(prog, steps: int = 3, seed: int = 0):
-    """``steps`` steps of ``prog`` on fixed random tokens: (params, state, [(loss, grad_norm)])."""
+def run_steps(prog, steps: int = 3, seed: int = 0, nudge: float = 0.0):
+    """``steps`` steps of ``prog`` on fixed random tokens: (params, state, [(loss, grad_norm)]).
+
+    ``nudge``: the initial parameters times ``1 + nudge * N(0, 1)``, a rounding-sized change.
+    """
     params = prog.init_params(jax.random.key(seed))
+    if nudge:
+        leaves, tree = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(seed + 2), len(leaves))
+        leaves = [
+            (x.astype(jnp.float32) * (1 + nudge * jax.random.normal(k, x.shape))).astype(x.dtype)
+            for x, k in zip(leaves, keys, strict=True)
+        ]
+        params = jax.tree.unflatten(tree, leaves)
     state = prog.init_opt_state(params)
     shape = prog.abstract_batch().shape
     tokens = jax.random.randint(jax.random.key(seed + 1), shape, 0, 258, jnp.int32)
@@ -60,6 +71,32 @@ def run_steps(prog, steps: int = 3, seed: int = 0):
         params, state, metrics = prog.step_fn(params, state, tokens)
         out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
     return params, state, out
+
+
+def distances(got, want) -> dict:
+    """The largest relative differences of two runs: losses, gradient norms, and over
+    parameter tensors ``|a - b| / |a|``."""
+    rel = lambda x, y: abs(x / y - 1.0)
+    params = max(
+        float(np.linalg.norm(np.float64(a) - np.float64(b)) / np.linalg.norm(np.float64(a)))
+        for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0]), strict=True)
+    )
+    return {
+        "loss": max(rel(g[0], w[0]) for g, w in zip(got[2], want[2], strict=True)),
+        "grad_norm": max(rel(g[1], w[1]) for g, w in zip(got[2], want[2], strict=True)),
+        "params": params,
+    }
+
+
+ON_GPU = jax.default_backend() == "gpu"
+# On a GPU the two programs round differently (XLA fuses them differently), and FP8 quantization
+# turns float32 rounding into code flips that later steps amplify: measured on the CPU, where
+# the two agree bit for bit, starting the plain step from parameters nudged by 1e-7 moves COAT's
+# parameters by 0.93% after 3 steps and its gradient norm by 0.27%; on the H200 the layerwise
+# step was 1.59% and 0.25% from the plain one. So on a GPU the layerwise step may differ from the
+# plain one by at most this many times what the 1e-7 nudge does; a wrong layer order or a
+# missed update is off by far more.
+GPU_FACTOR = 4.0
 
 
 @pytest.mark.parametrize(
@@ -93,7 +130,14 @@ def run_steps(prog, steps: int = 3, seed: int = 0):
 def test_equals_the_plain_step(extra):
     plain = run_steps(program(*extra))
     layerwise = run_steps(program(*extra, "optimizer_in_backward=true"))
-    assert_same_training(layerwise, plain)
+    if ON_GPU:
+        nudged = distances(run_steps(program(*extra), nudge=1e-7), plain)
+        got = distances(layerwise, plain)
+        floors = {"loss": 1e-5, "grad_norm": 1e-4, "params": 1e-3}
+        for name, floor in floors.items():
+            assert got[name] <= max(GPU_FACTOR * nudged[name], floor), (name, got, nudged)
+    else:
+        assert_same_training(layerwise, plain)
     assert plain[2][0][0] > plain[2][-1][0]  # it trains
     assert isinstance(layerwise[1], LayerwiseState)
     assert int(layerwise[1].count) == 3
@@ -137,9 +181,10 @@ def _stacked_fp8_outputs(prog) -> list[tuple]:
     among those shaped like a stacked linear weight."""
     layers = prog.abstract_params["layers"]
     stacked = {tuple(x.shape) for x in jax.tree.leaves(layers) if x.ndim == 3}
-    jaxpr = jax.make_jaxpr(prog.step_fn)(
+    # ``trace`` rather than ``make_jaxpr``: a jit with compiler options (the GPU's) cannot nest.
+    jaxpr = prog.step_fn.trace(
         prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()
-    )
+    ).jaxpr
 
     def scans(jx):
         for e in jx.eqns:
