@@ -43,6 +43,7 @@ import argparse
 import datetime
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -241,8 +242,16 @@ def run_mode(setting: str, mode: str, seeds: list[int], out: Path, args) -> list
             "date": datetime.date.today().isoformat(),
             "command": " ".join(["python", *sys.argv]),
         }
-        with open(out / "results.jsonl", "a") as f:
+        results = args.results_dir or out
+        results.mkdir(parents=True, exist_ok=True)
+        with open(results / "results.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        if args.results_dir is not None:
+            # The records beside the results, without the run's checkpoints.
+            shutil.copyfile(
+                Path(cfg.output_dir) / "metrics.jsonl",
+                results / f"{mode}-s{seed}.metrics.jsonl",
+            )
         print(
             f"[{mode} s{seed}] final val {row['final_val_loss']:.4f} best {row['best_val_loss']:.4f} "
             f"in {row['wall_s']} s",
@@ -530,6 +539,14 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default=None, help="comma-separated (0,1,2; 0,1 with --tiny)")
     p.add_argument("--steps", type=int, default=None, help="override the setting's steps")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "accuracy")
+    p.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        help="append results.jsonl here (default: --out) and copy each run's metrics.jsonl "
+        "here as MODE-sSEED.metrics.jsonl as soon as the run ends: a few small files, apart "
+        "from the runs' checkpoints",
+    )
     p.add_argument("--tokenizer", default=str(REPO / "runs" / "smollm2_tokenizer"))
     p.add_argument("--save-tokenizer", type=Path, default=None, metavar="DIR")
     p.add_argument(
@@ -570,8 +587,9 @@ def main(argv=None) -> int:
     for mode in modes:
         run_mode(setting, mode, seeds, args.out, args)
     if args.tiny:
-        doc = args.doc or args.out / "accuracy.md"
-        print(write_report(load_results([args.out]), doc))
+        results = args.results_dir or args.out
+        doc = args.doc or results / "accuracy.md"
+        print(write_report(load_results([results]), doc))
     return 0
 
 

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax import quant
 from pallas_kernels import coat_adam as kernels
+from pallas_kernels import stacks
 from pallas_kernels._dispatch import check_implementation
 from pallas_kernels.sharding import param_shardings
 
@@ -298,8 +299,8 @@ def scale_by_coat_adam(
             count = optax.safe_increment(state.count)
             new_count = count
         else:
-            count = optax.safe_increment(_at(state.count, index))
-            new_count = _put(state.count, count, index)
+            count = optax.safe_increment(stacks.element(state.count, index))
+            new_count = stacks.put_element(state.count, count, index)
         partitions = _leaf_partitions(updates, treedef, mesh, partition_specs)
         if decay is None:
             learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
@@ -318,21 +319,23 @@ def scale_by_coat_adam(
             if not isinstance(mu, quant.QuantizedTensor):
                 if grad_scale is not None:
                     g = g.astype(jnp.float32) * grad_scale
-                if index is not None:
-                    # Float32 moments (small, masked-out leaves): slice, step, write back.
-                    stacks = (p, mu, nu)
-                    p, mu, nu = (_at(x, index) for x in stacks)
-                m, v, u = kernels.adam_moments_and_update(
-                    g, mu, nu, count=count, b1=b1, b2=b2, eps=eps
-                )
-                if p is None:
-                    new_p = u.astype(g.dtype)
-                else:
-                    new_p = kernels.apply_update(p, u, learning_rate=learning_rate, weight_decay=wd)
-                if index is not None:
-                    new_p, m, v = (
-                        _put(x, y, index) for x, y in zip(stacks, (new_p, m, v), strict=True)
+
+                def float32_step(pmv, g=g, wd=wd):
+                    p, mu, nu = pmv
+                    m, v, u = kernels.adam_moments_and_update(
+                        g, mu, nu, count=count, b1=b1, b2=b2, eps=eps
                     )
+                    if p is None:
+                        return u.astype(g.dtype), m, v
+                    new_p = kernels.apply_update(p, u, learning_rate=learning_rate, weight_decay=wd)
+                    return new_p, m, v
+
+                # Float32 moments (small, masked-out leaves); stacked: slice, step, write back.
+                new_p, m, v = (
+                    float32_step((p, mu, nu))
+                    if index is None
+                    else stacks.step_element(float32_step, (p, mu, nu), index)
+                )
                 out.append(new_p)
                 mus.append(m)
                 nus.append(v)
@@ -352,15 +355,6 @@ def scale_by_coat_adam(
             decayed = dict(learning_rate=learning_rate, weight_decay=wd, grad_scale=grad_scale)
             if p is None:
                 u, new_mu, new_nu = kernels.coat_adam_step(g, mu, nu, **hyper)
-            elif index is not None and g.shape[-1] % spec.group_size:
-                # The stacked kernel takes whole groups only: step the slices, write them back.
-                stacks = (p, mu, nu)
-                p, mu, nu = (jax.tree.map(lambda x: _at(x, index), x) for x in stacks)
-                new = kernels.coat_adamw_apply(p, g, mu, nu, **decayed, **hyper)
-                u, new_mu, new_nu = (
-                    jax.tree.map(lambda s, x: _put(s, x, index), stack, x)
-                    for stack, x in zip(stacks, new, strict=True)
-                )
             else:
                 u, new_mu, new_nu = kernels.coat_adamw_apply(
                     p, g, mu, nu, index=index, **decayed, **hyper
@@ -516,10 +510,10 @@ def coat_adamw(
                 lr = learning_rate(lr_state.count)
                 lr_state = lr_state._replace(count=optax.safe_increment(lr_state.count))
             else:
-                count = _at(lr_state.count, index)
+                count = stacks.element(lr_state.count, index)
                 lr = learning_rate(count)
                 lr_state = lr_state._replace(
-                    count=_put(lr_state.count, optax.safe_increment(count), index)
+                    count=stacks.put_element(lr_state.count, optax.safe_increment(count), index)
                 )
         else:
             lr = learning_rate
@@ -530,9 +524,7 @@ def coat_adamw(
             # optax's MaskOrFn: a tree like the parameters or a prefix of it, or a function (of
             # one element with an index: the parameters as tx.init saw them).
             if callable(mask):
-                tree = mask(
-                    params if index is None else jax.tree.map(lambda x: _at(x, index), params)
-                )
+                tree = mask(params if index is None else stacks.element(params, index))
             else:
                 tree = mask
             try:
@@ -553,14 +545,6 @@ def coat_adamw(
         return apply_fn(grads, state, params, index=index)
 
     return _with_apply(tx, apply_fn, apply_at_fn)
-
-
-def _at(x, index):
-    return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
-
-
-def _put(stack, x, index):
-    return jax.lax.dynamic_update_index_in_dim(stack, x, index, 0)
 
 
 def _with_apply(tx: optax.GradientTransformation, apply_fn: Callable, apply_at_fn=None):
@@ -626,10 +610,9 @@ def apply_gradients_at(tx: optax.GradientTransformation, grads, state, params, i
     fused = getattr(tx.update, "apply_at", None)
     if fused is not None:
         return fused(grads, state, params, index)
-    at = lambda tree: jax.tree.map(lambda x: _at(x, index), tree)
-    new_params, new_state = apply_gradients(tx, grads, at(state), at(params))
-    put = lambda stack, x: _put(stack, x, index)
-    return jax.tree.map(put, params, new_params), jax.tree.map(put, state, new_state)
+    return stacks.step_element(
+        lambda ps: apply_gradients(tx, grads, ps[1], ps[0]), (params, state), index
+    )
 
 
 def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

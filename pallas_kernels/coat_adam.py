@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import Mesh, PartitionSpec
 
-from pallas_kernels import quant
+from pallas_kernels import quant, stacks
 from pallas_kernels._dispatch import dispatch, require_gpu
 from pallas_kernels.quant import QuantizedTensor
 from pallas_kernels.sharding import check_spec, group_aligned_spec, shard_map
@@ -303,7 +303,8 @@ def coat_adamw_apply(
         updates their element ``index`` in place, returning the whole stacks with the other
         elements unchanged. The kernel reads and writes that element inside the stacks (the
         stacks are aliased to the outputs), so a training step that donates them copies
-        nothing; the XLA path slices and writes back.
+        nothing; for a last axis that is not a multiple of the group size it steps the
+        element's slices and writes them back, as the XLA path always does.
     """
     _check_placement(mesh, partition)
     kwargs = dict(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
@@ -318,13 +319,10 @@ def coat_adamw_apply(
     if stacked and not jnp.issubdtype(jnp.asarray(index).dtype, jnp.integer):
         raise TypeError(f"index must be an integer scalar, got {jnp.asarray(index).dtype}")
 
-    def pallas():
-        _check_kernel_spec(spec)
-        if not stacked and param.shape != grad.shape:
-            raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
-        if not jnp.issubdtype(param.dtype, jnp.floating):
-            raise TypeError(f"param must be a float array, got {param.dtype}")
-        hyper = _hyper_vector(spec=spec, **decay, **scale, **_no_spec(kwargs), index=index)
+    def kernel(param, mu, nu, in_place):
+        hyper = _hyper_vector(
+            spec=spec, **decay, **scale, **_no_spec(kwargs), index=index if in_place else None
+        )
         return _sharded_call(
             grad,
             param,
@@ -336,18 +334,29 @@ def coat_adamw_apply(
             interpret=interpret,
             mesh=mesh,
             partition=partition,
-            stacked=stacked,
+            stacked=in_place,
         )
+
+    def pallas():
+        _check_kernel_spec(spec)
+        if not stacked and param.shape != grad.shape:
+            raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
+        if not jnp.issubdtype(param.dtype, jnp.floating):
+            raise TypeError(f"param must be a float array, got {param.dtype}")
+        if stacked and grad.shape[-1] % spec.group_size:
+            # The in-place kernel takes whole groups only (_fused_call): a short last group
+            # steps the element's slices with the per-parameter kernel and writes them back.
+            return stacks.step_element(lambda t: kernel(*t, in_place=False), (param, mu, nu), index)
+        return kernel(param, mu, nu, in_place=stacked)
 
     def xla():
         if not stacked:
             return coat_adamw_apply_reference(param, grad, mu, nu, **decay, **scale, **kwargs)
-        at = lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False)
-        new = coat_adamw_apply_reference(
-            at(param), grad, jax.tree.map(at, mu), jax.tree.map(at, nu), **decay, **scale, **kwargs
+        return stacks.step_element(
+            lambda t: coat_adamw_apply_reference(*t[:1], grad, *t[1:], **decay, **scale, **kwargs),
+            (param, mu, nu),
+            index,
         )
-        put = lambda stack, x: lax.dynamic_update_index_in_dim(stack, x, index, 0)
-        return tuple(jax.tree.map(put, old, x) for old, x in zip((param, mu, nu), new, strict=True))
 
     return dispatch(
         "coat_adamw_apply",

@@ -115,9 +115,9 @@ def test_report_gaps_and_seed_ranges(tmp_path):
 
 def test_tiny_smoke_run(tmp_path):
     """The CI smoke test of the study: two modes, a few steps, the report and its plot."""
-    out = tmp_path / "acc"
+    runs, out = tmp_path / "runs", tmp_path / "acc"
     cmd = [sys.executable, str(REPO / "benchmarks" / "accuracy.py"), "--tiny", "--steps", "6"]
-    cmd += ["--seeds", "0", "--modes", "bf16,coat", "--out", str(out)]
+    cmd += ["--seeds", "0", "--modes", "bf16,coat", "--out", str(runs), "--results-dir", str(out)]
     cmd += ["--override", f"cache_dir={tmp_path / 'cache'}", "compilation_cache_dir=null"]
     cmd += ["eval_at_start=true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -134,6 +134,12 @@ def test_tiny_smoke_run(tmp_path):
     assert "| BF16 + AdamW | 0 |" in text and "| COAT + coat_adamw | 0 |" in text
     assert (out / "accuracy.png").stat().st_size > 0
     assert "Before and after training" in text
+    # --results-dir: the results and each run's records, apart from the runs' checkpoints.
+    names = {"results.jsonl", "bf16-s0.metrics.jsonl", "coat-s0.metrics.jsonl"}
+    assert names | {"accuracy.md", "accuracy.png"} == {f.name for f in out.iterdir()}
+    for name in ("bf16", "coat"):
+        copied = (out / f"{name}-s0.metrics.jsonl").read_text()
+        assert copied == (runs / f"{name}-s0" / "metrics.jsonl").read_text()
 
 
 def test_code_corpus_puts_each_file_whole_in_one_shard(tmp_path):

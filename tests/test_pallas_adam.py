@@ -526,13 +526,34 @@ def test_stacked_apply_bad_input():
         ca.coat_adamw_apply(p[0], g, mu, nu, index=0, implementation="xla", **kw)
     with pytest.raises(TypeError, match="integer"):
         ca.coat_adamw_apply(p, g, mu, nu, index=0.5, implementation="xla", **kw)
-    # A short last group: the stacked kernel declines; "pallas" says so, "auto" takes XLA's way.
-    with pytest.raises(ValueError, match="multiple of the group size"):
-        ca.coat_adamw_apply(p, g, mu, nu, index=1, implementation="pallas", interpret=True, **kw)
-    new_p, _, _ = ca.coat_adamw_apply(
-        p, g, mu, nu, index=1, implementation="auto", interpret=True, **kw
-    )
-    assert new_p.shape == p.shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stacked_apply_with_a_short_last_group_steps_the_slices(backend):
+    # The in-place kernel takes whole groups only: "pallas" steps the element's slices with the
+    # per-parameter kernel and writes them back; the same step as the XLA path's.
+    spec = ca.MomentSpec()
+    kw = dict(count=3, learning_rate=1e-3, weight_decay=0.1, spec=spec, **HYPER)
+    mu = _stacked_moment(jax.random.key(0), (3, 4, 300), "e4m3", spec, positive=False)
+    nu = _stacked_moment(jax.random.key(1), (3, 4, 300), "e4m3", spec, positive=True)
+    p = jax.random.normal(jax.random.key(2), (3, 4, 300))
+    g = jax.random.normal(jax.random.key(3), (4, 300))
+    with pytest.raises(NotImplementedError, match="multiple of the group size"):
+        hyper = ca._hyper_vector(spec=spec, index=1, **{k: v for k, v in kw.items() if k != "spec"})
+        ca._fused_call(g, p, mu, nu, hyper, spec=spec, config=None, interpret=True, stacked=True)
+    interpret = backend == "interpret"
+    got = jax.jit(
+        lambda p, mu, nu: ca.coat_adamw_apply(
+            p, g, mu, nu, index=1, implementation="pallas", interpret=interpret, **kw
+        )
+    )(p, mu, nu)
+    ref = ca.coat_adamw_apply(p, g, mu, nu, index=1, implementation="xla", **kw)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6, atol=1e-7)
+    for i in (0, 2):  # the other elements untouched
+        np.testing.assert_array_equal(got[0][i], p[i])
+        np.testing.assert_array_equal(got[1].codes[i], mu.codes[i])
+    _assert_codes_match(got[1].codes[1], ref[1].codes[1], "mu 1")
+    _assert_codes_match(got[2].codes[1], ref[2].codes[1], "nu 1")
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels themselves")

@@ -46,6 +46,7 @@ from coat_jax.master import apply_updates_stochastic
 from coat_jax.optim import apply_gradients, apply_gradients_at
 from coat_jax.training import sharding
 from coat_jax.training.telemetry import ActivationTelemetry
+from pallas_kernels.stacks import element, put_element
 
 # The key of one layer's parameters in the tree the optimizer sees per layer. Not "layers":
 # coat_jax's FSDP rule reads a leading axis under "layers" as the stacked layer axis.
@@ -127,14 +128,6 @@ def state_shardings(tx: optax.GradientTransformation, abstract_params, mesh: Mes
 
 def _sum_squares(tree) -> jax.Array:
     return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), tree), squared=True)
-
-
-def _at(tree, i):
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
-def _put(tree, values, i):
-    return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, values)
 
 
 def make_train_step(
@@ -259,7 +252,7 @@ def make_train_step(
         # computes in float16; on the H200 they are written in place (Llama-2-7B, batch 1: the
         # same compiled peak as with them carried as uint8 bytes, 47.45 GiB).
         def layer_gradient(g_BTD, p_l, kept, i):
-            weights, kept = jax.tree.leaves((p_l, _at(codes, i))), iter(kept)
+            weights, kept = jax.tree.leaves((p_l, element(codes, i))), iter(kept)
             leaves = [next(kept) if k is None else weights[k] for k in layout["weight"]]
             pullback = jax.tree.unflatten(layout["treedef"], leaves)
             return pullback(g_BTD)
@@ -270,10 +263,17 @@ def make_train_step(
             g_l, g_BTD = layer_gradient(g_BTD, p_l, kept, i)
             key = jax.random.fold_in(keys[1], i + 1)
             new_p, new_s = update({LAYER_KEY: g_l}, s_l, {LAYER_KEY: p_l}, key)
-            layers = _put(layers, new_p[LAYER_KEY], i)
-            states = _put(states, new_s, i)
+            layers = put_element(layers, new_p[LAYER_KEY], i)
+            states = put_element(states, new_s, i)
             ahead = jnp.maximum(i - 1, 0)
-            carry = (g_BTD, layers, states, _at(layers, ahead), _at(states, ahead), head_params)
+            carry = (
+                g_BTD,
+                layers,
+                states,
+                element(layers, ahead),
+                element(states, ahead),
+                head_params,
+            )
             return (*carry, sum_sq + _sum_squares(g_l)), None
 
         def backward_in_place(carry, xs):
@@ -286,18 +286,18 @@ def make_train_step(
             new_p, states = apply_gradients_at(tx, {LAYER_KEY: g_l}, states, {LAYER_KEY: layers}, i)
             layers = new_p[LAYER_KEY]
             ahead = jnp.maximum(i - 1, 0)
-            carry = (g_BTD, layers, states, _at(layers, ahead), head_params)
+            carry = (g_BTD, layers, states, element(layers, ahead), head_params)
             return (*carry, sum_sq + _sum_squares(g_l)), None
 
         last = num_layers - 1
         states = opt_state.layers
         xs = (residuals, jnp.arange(num_layers))
         if in_place:
-            carry = (g_BTD, layers, states, _at(layers, last), head_params, sum_sq)
+            carry = (g_BTD, layers, states, element(layers, last), head_params, sum_sq)
             carry, _ = lax.scan(backward_in_place, carry, xs, reverse=True)
             g_BTD, layers, layer_states, _, head_params, sum_sq = carry
         else:
-            carry = (g_BTD, layers, states, _at(layers, last), _at(states, last))
+            carry = (g_BTD, layers, states, element(layers, last), element(states, last))
             carry, _ = lax.scan(backward, (*carry, head_params, sum_sq), xs, reverse=True)
             g_BTD, layers, layer_states, _, _, head_params, sum_sq = carry
         (g_lookup,) = embed_vjp(g_BTD)
