@@ -20,6 +20,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,8 @@ class TokenFiles:
     train: np.ndarray
     val: np.ndarray
     directory: Path
+    # Seconds this call spent tokenizing (None: the cache was there already).
+    tokenized_s: float | None = None
 
 
 def split_names(val_documents: str | None) -> tuple[str, ...]:
@@ -196,15 +199,18 @@ def tokenize_to_cache(
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
     root = Path(cache_dir).expanduser()
     final = root / key
+    tokenized_s = None
     if not (final / "meta.json").exists():
+        started = time.perf_counter()
         _write_cache(source, tokenizer, val_fraction, root, final, held_out)
+        tokenized_s = time.perf_counter() - started
     meta = json.loads((final / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"])
     train = np.memmap(final / "train.bin", dtype=dtype, mode="r")
     val = np.memmap(final / "val.bin", dtype=dtype, mode="r")
     if len(train) != meta["train_tokens"] or len(val) != meta["val_tokens"]:
         raise ValueError(f"token cache {str(final)!r} is truncated; delete it to re-tokenize")
-    return TokenFiles(train=train, val=val, directory=final)
+    return TokenFiles(train=train, val=val, directory=final, tokenized_s=tokenized_s)
 
 
 def _write_cache(

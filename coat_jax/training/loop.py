@@ -617,6 +617,11 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
     tokens = tokenize_to_cache(
         cfg.data_path, tokenizer, cfg.cache_dir, cfg.val_fraction, cfg.val_documents
     )
+    if tokens.tokenized_s is not None:
+        say(
+            f"tokenized {cfg.data_path} in {tokens.tokenized_s:.1f} s: {len(tokens.train):,} "
+            f"training and {len(tokens.val):,} validation tokens, cached in {tokens.directory}"
+        )
     order = TrainOrder(PackedWindows(tokens.train, cfg.seq_len, "train"), cfg.seed)
     val_windows = PackedWindows(tokens.val, cfg.seq_len, "validation")
 
