@@ -235,6 +235,7 @@ def run_mode(setting: str, mode: str, seeds: list[int], out: Path, args) -> list
             "steps": cfg.steps,
             "tokens": cfg.steps * cfg.tokens_per_step,
             "params": _num_params(result.params),
+            "held_out": cfg.val_documents,
             "wall_s": round(time.perf_counter() - started, 1),
             **read_run(Path(cfg.output_dir)),
             "device": jax.devices()[0].device_kind,
@@ -250,7 +251,7 @@ def run_mode(setting: str, mode: str, seeds: list[int], out: Path, args) -> list
             # The records beside the results, without the run's checkpoints.
             shutil.copyfile(
                 Path(cfg.output_dir) / "metrics.jsonl",
-                results / f"{mode}-s{seed}.metrics.jsonl",
+                results / f"{setting}-{mode}-s{seed}.metrics.jsonl",
             )
         print(
             f"[{mode} s{seed}] final val {row['final_val_loss']:.4f} best {row['best_val_loss']:.4f} "
@@ -338,8 +339,13 @@ def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
     return ", ".join(parts)
 
 
-def held_out_text(setting: str) -> str:
-    """The documents a setting validates on, for the report."""
+def held_out_text(setting: str, row: dict | None = None) -> str:
+    """The documents a setting validates on, for the report: what ``row`` (a result) records,
+    else the setting's."""
+    if row is not None and row.get("held_out"):
+        names = ", ".join(f"`{n}`" for n in row["held_out"].split(","))
+        corpus = CODE_CORPUS if SETTINGS[setting].get("code_corpus") else "the corpus"
+        return f"{names} of `{corpus}`, held out whole"
     if SETTINGS[setting].get("code_corpus"):
         names = ", ".join(f"`{n}`" for n in CODE_HELD_OUT)
         return f"{names} of `{CODE_CORPUS}` (whole files, chosen by a hash of their path)"
@@ -372,7 +378,7 @@ def write_report(rows: list[dict], doc: Path) -> str:
             "",
             f"{first['params'] / 1e6:.1f}M parameters, {first['steps']} steps, "
             f"{first['tokens'] / 1e6:.2f}M tokens per run; {first['device']}, JAX {first['jax']}, "
-            f"{first['date']}. Held out: {held_out_text(setting)}. "
+            f"{first['date']}. Held out: {held_out_text(setting, first)}. "
             f"First command: `{first['command']}`",
             "",
             "| mode | seeds | "
@@ -544,7 +550,7 @@ def main(argv=None) -> int:
         type=Path,
         default=None,
         help="append results.jsonl here (default: --out) and copy each run's metrics.jsonl "
-        "here as MODE-sSEED.metrics.jsonl as soon as the run ends: a few small files, apart "
+        "here as SETTING-MODE-sSEED.metrics.jsonl as soon as the run ends: a few small files, apart "
         "from the runs' checkpoints",
     )
     p.add_argument("--tokenizer", default=str(REPO / "runs" / "smollm2_tokenizer"))

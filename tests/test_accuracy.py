@@ -58,11 +58,20 @@ def test_encode_many_equals_encode_per_document(monkeypatch):
 
     tok = Tokenizer(byte_tokenizer_hf(), "byte-hf")
     texts = [f"doc {i}: " + "héllo wörld " * (i + 1) for i in range(5)]
-    monkeypatch.setattr(data.os, "cpu_count", lambda: 2)  # three batches of at most two
-    many = list(tok.encode_many(texts))
-    assert len(many) == 5
-    for text, ids in zip(texts, many, strict=True):
-        np.testing.assert_array_equal(ids, tok.encode(text))
+    monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    # Batches of at most two documents, and of at most 60 characters (the longer ones alone).
+    for batch_chars in (1 << 26, 60):
+        many = list(tok.encode_many(texts, batch_chars=batch_chars))
+        assert len(many) == 5
+        for text, ids in zip(texts, many, strict=True):
+            np.testing.assert_array_equal(ids, tok.encode(text))
+            assert len(ids) == len(text.encode())
+    # A tokenizer that pads (a tokenizer.json with padding) would pad a batch to its longest
+    # document: it encodes one document at a time instead.
+    hf = byte_tokenizer_hf()
+    hf.backend_tokenizer.enable_padding(pad_id=257, pad_token="<|eos|>")
+    padded = Tokenizer(hf, "byte-hf-padded")
+    for text, ids in zip(texts, padded.encode_many(texts), strict=True):
         assert len(ids) == len(text.encode())
 
 
@@ -135,10 +144,11 @@ def test_tiny_smoke_run(tmp_path):
     assert (out / "accuracy.png").stat().st_size > 0
     assert "Before and after training" in text
     # --results-dir: the results and each run's records, apart from the runs' checkpoints.
-    names = {"results.jsonl", "bf16-s0.metrics.jsonl", "coat-s0.metrics.jsonl"}
+    names = {"results.jsonl", "tiny-bf16-s0.metrics.jsonl", "tiny-coat-s0.metrics.jsonl"}
     assert names | {"accuracy.md", "accuracy.png"} == {f.name for f in out.iterdir()}
+    assert all(r["held_out"] == accuracy.HELD_OUT for r in rows)
     for name in ("bf16", "coat"):
-        copied = (out / f"{name}-s0.metrics.jsonl").read_text()
+        copied = (out / f"tiny-{name}-s0.metrics.jsonl").read_text()
         assert copied == (runs / f"{name}-s0" / "metrics.jsonl").read_text()
 
 

@@ -71,21 +71,30 @@ class Tokenizer:
             ids = self._tok.encode(text)
         return np.asarray(ids, dtype=np.int64)
 
-    def encode_many(self, texts: list[str]) -> Iterator[np.ndarray]:
-        """``encode`` of each text, in order. A fast tokenizer encodes as many documents at once
-        as there are cores (each document whole, so the tokens equal ``encode``'s): a corpus of
-        many large documents tokenizes on every core instead of one.
+    def encode_many(self, texts: list[str], batch_chars: int = 1 << 26) -> Iterator[np.ndarray]:
+        """``encode`` of each text, in order. A fast tokenizer encodes up to as many documents
+        at once as there are cores, and at most ``batch_chars`` characters of them (a document
+        longer than that alone): each document whole, so the tokens equal ``encode``'s. A
+        corpus of many large documents tokenizes on every core instead of one; the bound keeps
+        the tokenizer's per-token records of a batch (about 100 bytes a token) to a few GB.
         """
-        if self._fast is None:
+        if self._fast is None or self._fast.padding is not None:
+            # A tokenizer that pads would pad a batch to its longest document: one at a time.
             yield from (self.encode(t) for t in texts)
             return
-        batch = max(1, os.cpu_count() or 1)
-        for start in range(0, len(texts), batch):
-            encodings = self._fast.encode_batch(
-                texts[start : start + batch], add_special_tokens=False
-            )
-            for enc in encodings:
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        most = max(1, len(cores) if cores else os.cpu_count() or 1)
+        start = 0
+        while start < len(texts):
+            end, chars = start + 1, len(texts[start])
+            while (
+                end < len(texts) and end - start < most and chars + len(texts[end]) <= batch_chars
+            ):
+                chars += len(texts[end])
+                end += 1
+            for enc in self._fast.encode_batch(texts[start:end], add_special_tokens=False):
                 yield np.asarray(enc.ids, dtype=np.int64)
+            start = end
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
