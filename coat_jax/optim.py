@@ -295,12 +295,7 @@ def scale_by_coat_adam(
         if index is not None and decay is None:
             raise ValueError("index applies to the fused apply only: pass decay too")
         leaves, treedef = jax.tree.flatten(updates)
-        if index is None:
-            count = optax.safe_increment(state.count)
-            new_count = count
-        else:
-            count = optax.safe_increment(stacks.element(state.count, index))
-            new_count = stacks.put_element(state.count, count, index)
+        _, count, new_count = _tick(state.count, index)
         partitions = _leaf_partitions(updates, treedef, mesh, partition_specs)
         if decay is None:
             learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
@@ -506,15 +501,9 @@ def coat_adamw(
         coat_state, decay_state, lr_state = state
         if callable(learning_rate):
             # optax.scale_by_schedule: the rate at the count before this step, then count + 1.
-            if index is None:
-                lr = learning_rate(lr_state.count)
-                lr_state = lr_state._replace(count=optax.safe_increment(lr_state.count))
-            else:
-                count = stacks.element(lr_state.count, index)
-                lr = learning_rate(count)
-                lr_state = lr_state._replace(
-                    count=stacks.put_element(lr_state.count, optax.safe_increment(count), index)
-                )
+            before, _, stored = _tick(lr_state.count, index)
+            lr = learning_rate(before)
+            lr_state = lr_state._replace(count=stored)
         else:
             lr = learning_rate
         leaves, treedef = jax.tree.flatten(params)
@@ -545,6 +534,14 @@ def coat_adamw(
         return apply_fn(grads, state, params, index=index)
 
     return _with_apply(tx, apply_fn, apply_at_fn)
+
+
+def _tick(count, index):
+    """A step count's advance: ``(before, after, stored)``, where ``stored`` is ``after``, or
+    with ``index`` the stacked ``count`` with its element ``index`` advanced."""
+    before = count if index is None else stacks.element(count, index)
+    after = optax.safe_increment(before)
+    return before, after, after if index is None else stacks.put_element(count, after, index)
 
 
 def _with_apply(tx: optax.GradientTransformation, apply_fn: Callable, apply_at_fn=None):
