@@ -366,7 +366,6 @@ def scale_by_coat_adam(
     # coat_adamw's fused apply runs the same step with its learning rate and weight decay.
     update_fn.step = step
     return optax.GradientTransformation(init_fn, update_fn)
-    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:

@@ -33,7 +33,7 @@ def program(*extra):
 
 
 # What the layerwise step may differ from the plain one by on the CPU (see distances).
-CPU_BOUNDS = {"loss": 1e-5, "grad_norm": 1e-4, "params": 1e-3}
+CPU_BOUNDS = {"first": 1e-5, "loss": 1e-5, "grad_norm": 1e-4, "params": 1e-3}
 
 
 def assert_same_training(got, want, bounds=None):
@@ -54,20 +54,9 @@ def assert_same_training(got, want, bounds=None):
     assert all(found[k] <= bounds[k] for k in bounds), (found, bounds)
 
 
-def run_steps(prog, steps: int = 3, seed: int = 0, nudge: float = 0.0):
-    """``steps`` steps of ``prog`` on fixed random tokens: (params, state, [(loss, grad_norm)]).
-
-    ``nudge``: the initial parameters times ``1 + nudge * N(0, 1)``, a rounding-sized change.
-    """
+def run_steps(prog, steps: int = 3, seed: int = 0):
+    """``steps`` steps of ``prog`` on fixed random tokens: (params, state, [(loss, grad_norm)])."""
     params = prog.init_params(jax.random.key(seed))
-    if nudge:
-        leaves, tree = jax.tree.flatten(params)
-        keys = jax.random.split(jax.random.key(seed + 2), len(leaves))
-        leaves = [
-            (x.astype(jnp.float32) * (1 + nudge * jax.random.normal(k, x.shape))).astype(x.dtype)
-            for x, k in zip(leaves, keys, strict=True)
-        ]
-        params = jax.tree.unflatten(tree, leaves)
     state = prog.init_opt_state(params)
     shape = prog.abstract_batch().shape
     tokens = jax.random.randint(jax.random.key(seed + 1), shape, 0, 258, jnp.int32)
@@ -87,6 +76,8 @@ def distances(got, want) -> dict:
         for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0]), strict=True)
     )
     return {
+        # The first step: same parameters, so only the gradient's own rounding differs.
+        "first": max(rel(got[2][0][0], want[2][0][0]), rel(got[2][0][1], want[2][0][1])),
         "loss": max(rel(g[0], w[0]) for g, w in zip(got[2], want[2], strict=True)),
         "grad_norm": max(rel(g[1], w[1]) for g, w in zip(got[2], want[2], strict=True)),
         "params": params,
@@ -94,26 +85,16 @@ def distances(got, want) -> dict:
 
 
 ON_GPU = jax.default_backend() == "gpu"
-# On a GPU the two programs round differently (XLA fuses them differently, in bfloat16), and FP8
-# quantization turns rounding into code flips that later steps amplify. On the CPU, where the two
-# agree bit for bit, the plain COAT step started from parameters nudged by 1e-7 (run_steps'
-# nudge) moves its parameters by 0.65% after 3 steps and its gradient norm by 0.36%; on the
-# H200 the layerwise step was 1.59% and 0.25% from the plain one, its third loss 1.1e-4. So on
-# a GPU: parameters and gradient norms within GPU_FACTOR times what the nudge does, losses
-# within GPU_LOSS_RTOL. A layer that misses its last update is 8.0% off in parameters and 3.7e-3
-# in the next loss (test_the_gpu_bounds_catch_a_missed_update).
-GPU_FACTOR = 4.0
-GPU_LOSS_RTOL = 1e-3
-
-
-def gpu_bounds(extra, plain) -> dict:
-    """The GPU's bounds on :func:`distances` from the plain run ``plain`` of ``extra``."""
-    nudged = distances(run_steps(program(*extra), nudge=1e-7), plain)
-    return {
-        "loss": GPU_LOSS_RTOL,
-        "grad_norm": max(GPU_FACTOR * nudged["grad_norm"], 1e-4),
-        "params": max(GPU_FACTOR * nudged["params"], 1e-3),
-    }
+# On a GPU the two programs round differently (XLA fuses their bfloat16 work differently), and
+# FP8 quantization turns rounding into code flips that Adam's later steps amplify: on the H200
+# (2026-12-02) the layerwise COAT step was 1.60% from the plain one in its worst parameter
+# tensor after 3 steps, 0.26% in gradient norm and 1.2e-4 in loss, while its first gradient
+# norm (same parameters, before any update) agreed to 7e-8. (Calibrating by the plain step from
+# parameters nudged by 1e-7, which moves the CPU's run by as much, did not transfer: on the H200
+# the nudge moved the run by less than 2.5e-4.) So on a GPU: the first step's loss and gradient
+# norm tightly, later steps within GPU_BOUNDS. A layer that misses its last update is 8.0% off
+# in parameters and 3.7e-3 in the next loss (test_the_gpu_bounds_catch_a_missed_update).
+GPU_BOUNDS = {"first": 1e-5, "loss": 1e-3, "grad_norm": 1e-2, "params": 3e-2}
 
 
 @pytest.mark.parametrize(
@@ -147,22 +128,20 @@ def gpu_bounds(extra, plain) -> dict:
 def test_equals_the_plain_step(extra):
     plain = run_steps(program(*extra))
     layerwise = run_steps(program(*extra, "optimizer_in_backward=true"))
-    assert_same_training(layerwise, plain, gpu_bounds(extra, plain) if ON_GPU else None)
+    assert_same_training(layerwise, plain, GPU_BOUNDS if ON_GPU else None)
     assert plain[2][0][0] > plain[2][-1][0]  # it trains
     assert isinstance(layerwise[1], LayerwiseState)
     assert int(layerwise[1].count) == 3
 
 
 def test_the_gpu_bounds_catch_a_missed_update():
-    # The negative control of the GPU's bounds (computed here on the CPU): the plain step with
-    # one layer's last update left out is far outside them.
-    extra = ["precision=coat", "optimizer=coat_adamw"]
-    prog = program(*extra)
+    # The negative control of the GPU's bounds (on the CPU): the plain step with one layer's
+    # last update left out is far outside them.
+    prog = program("precision=coat", "optimizer=coat_adamw")
     plain, two = run_steps(prog), run_steps(prog, steps=2)
     layers = jax.tree.map(lambda a, b: a.at[0].set(b[0]), plain[0]["layers"], two[0]["layers"])
     missed = ({**plain[0], "layers": layers}, None, plain[2])
-    bounds = gpu_bounds(extra, plain)
-    assert distances(missed, plain)["params"] > 2 * bounds["params"]
+    assert distances(missed, plain)["params"] > 2 * GPU_BOUNDS["params"]
 
 
 # Every layer weight's last axis a multiple of 128 (COAT's group): the kernel steps each layer
