@@ -87,14 +87,15 @@ def distances(got, want) -> dict:
 ON_GPU = jax.default_backend() == "gpu"
 # On a GPU the two programs round differently (XLA fuses their bfloat16 work differently), and
 # FP8 quantization turns rounding into code flips that Adam's later steps amplify: on the H200
-# (2026-12-02) the layerwise COAT step was 1.60% from the plain one in its worst parameter
-# tensor after 3 steps, 0.26% in gradient norm and 1.2e-4 in loss, while its first gradient
+# (2026-12-02) the layerwise COAT step was 1.59% from the plain one in its worst parameter
+# tensor after 3 steps, 0.25% in gradient norm and 1.1e-4 in loss, while its first gradient
 # norm (same parameters, before any update) agreed to 7e-8. (Calibrating by the plain step from
 # parameters nudged by 1e-7, which moves the CPU's run by as much, did not transfer: on the H200
-# the nudge moved the run by less than 2.5e-4.) So on a GPU: the first step's loss and gradient
-# norm tightly, later steps within GPU_BOUNDS. A layer that misses its last update is 8.0% off
-# in parameters and 3.7e-3 in the next loss (test_the_gpu_bounds_catch_a_missed_update).
-GPU_BOUNDS = {"first": 1e-5, "loss": 1e-3, "grad_norm": 1e-2, "params": 3e-2}
+# the nudge moved the run by less than 2.5e-5 in gradient norm and 2.5e-4 in parameters.) So on
+# a GPU: the first step's loss and gradient norm within 1e-4, later steps within GPU_BOUNDS. A
+# layer that misses its last update is 8.0% off in parameters and 3.7e-3 in the next loss
+# (test_the_gpu_bounds_catch_a_missed_update).
+GPU_BOUNDS = {"first": 1e-4, "loss": 1e-3, "grad_norm": 1e-2, "params": 3e-2}
 
 
 @pytest.mark.parametrize(
