@@ -339,17 +339,22 @@ def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
     return ", ".join(parts)
 
 
-def held_out_text(setting: str, row: dict | None = None) -> str:
+def setting_held_out(setting: str) -> list[str]:
+    """The documents ``setting`` validates on (its ``val_documents``)."""
+    return CODE_HELD_OUT if SETTINGS[setting].get("code_corpus") else [HELD_OUT]
+
+
+def held_out_text(setting: str, row: dict) -> str:
     """The documents a setting validates on, for the report: what ``row`` (a result) records,
-    else the setting's."""
-    if row is not None and row.get("held_out"):
+    else (older records) the setting's."""
+    if row.get("held_out"):
         names = ", ".join(f"`{n}`" for n in row["held_out"].split(","))
         corpus = CODE_CORPUS if SETTINGS[setting].get("code_corpus") else "the corpus"
         return f"{names} of `{corpus}`, held out whole"
+    names = ", ".join(f"`{n}`" for n in setting_held_out(setting))
     if SETTINGS[setting].get("code_corpus"):
-        names = ", ".join(f"`{n}`" for n in CODE_HELD_OUT)
         return f"{names} of `{CODE_CORPUS}` (whole files, chosen by a hash of their path)"
-    return f"`{HELD_OUT}`"
+    return names
 
 
 def write_report(rows: list[dict], doc: Path) -> str:
@@ -452,7 +457,7 @@ def plot_curves(summary: dict, path: Path) -> None:
                     lw=1.2,
                     label=f"{MODE_TITLES[key[1]]}" if j == 0 else None,
                 )
-        held = ", ".join(CODE_HELD_OUT) if SETTINGS[setting].get("code_corpus") else HELD_OUT
+        held = ", ".join(setting_held_out(setting))
         ax.set_title(f"{setting}: validation loss (held out: {held})", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss")

@@ -175,7 +175,8 @@ class TokenFiles:
     train: np.ndarray
     val: np.ndarray
     directory: Path
-    # Seconds this call spent tokenizing (None: the cache was there already).
+    # Seconds this call spent building the cache: reading, tokenizing and writing the corpus
+    # (None: the cache was there already).
     tokenized_s: float | None = None
 
 
@@ -188,7 +189,7 @@ def split_names(val_documents: str | None) -> tuple[str, ...]:
 
 def tokenize_to_cache(
     data_path: str,
-    tokenizer,
+    tokenizer: Tokenizer,
     cache_dir: str,
     val_fraction: float,
     val_documents: str | None = None,
@@ -223,7 +224,7 @@ def tokenize_to_cache(
 
 
 def _write_cache(
-    source: Path, tokenizer, val_fraction: float, root: Path, final: Path, held_out=()
+    source: Path, tokenizer: Tokenizer, val_fraction: float, root: Path, final: Path, held_out=()
 ) -> None:
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     documents = read_documents(source)
@@ -240,9 +241,7 @@ def _write_cache(
             "text; hold out fewer"
         )
     train_parts, val_parts = [], []
-    encode_many = getattr(tokenizer, "encode_many", None)
-    texts = [text for _, text in documents]
-    encoded = encode_many(texts) if encode_many else (tokenizer.encode(t) for t in texts)
+    encoded = tokenizer.encode_many([text for _, text in documents])
     for (name, _), doc_ids in zip(documents, encoded, strict=True):
         ids = np.concatenate([doc_ids, [tokenizer.eos_id]])
         if held_out:
