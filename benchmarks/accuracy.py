@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import decimal
 import json
 import math
 import shutil
@@ -292,6 +293,16 @@ METRICS = {
 }
 
 
+def cut(x: float, digits: int, sign: bool = False) -> str:
+    """``x`` with ``digits`` decimals, truncated toward zero, never rounded up: the report's
+    figures (its gaps decide within/outside, so a rounded 0.4996% must not print as 0.50%)."""
+    d = decimal.Decimal(repr(float(x))).quantize(
+        decimal.Decimal(1).scaleb(-digits), rounding=decimal.ROUND_DOWN
+    )
+    text = f"{d:,.{digits}f}"
+    return ("+" + text if d >= 0 else text) if sign else text
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per (setting, mode): seeds, and mean, min and max over seeds of each of METRICS."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -331,7 +342,7 @@ def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
     if g is None:
         return "-"
     base, s = summary[(setting, "bf16")], summary[(setting, mode)]
-    parts = [f"{g:+.2f}%: {'within' if g <= 0.5 else 'outside'} 0.5%"]
+    parts = [f"{cut(g, 2, sign=True)}%: {'within' if g <= 0.5 else 'outside'} 0.5%"]
     if len(base["seeds"]) > 1:
         spread = base[metric][2] - base[metric][1]
         inside = abs(s[metric][0] - base[metric][0]) <= spread
@@ -393,9 +404,10 @@ def write_report(rows: list[dict], doc: Path) -> str:
         ]
         for key in keys:
             s = summary[key]
-            speed = f"{s['tokens_per_sec']:,.0f}" if s["tokens_per_sec"] else "-"
+            speed = cut(s["tokens_per_sec"], 0) if s["tokens_per_sec"] else "-"
             cells = [
-                f"{s[m][0]:.4f} [{s[m][1]:.4f}, {s[m][2]:.4f}] | {verdict(summary, *key, m)}"
+                f"{cut(s[m][0], 4)} [{cut(s[m][1], 4)}, {cut(s[m][2], 4)}] | "
+                f"{verdict(summary, *key, m)}"
                 for m in METRICS
             ]
             lines.append(
@@ -406,8 +418,8 @@ def write_report(rows: list[dict], doc: Path) -> str:
         lines += ["", "Per seed (final / best validation loss, final training loss):", ""]
         for key in keys:
             per_seed = "; ".join(
-                f"s{r['seed']} {r['final_val_loss']:.4f} / {r['best_val_loss']:.4f}, "
-                f"{r['final_train_loss']:.4f}"
+                f"s{r['seed']} {cut(r['final_val_loss'], 4)} / {cut(r['best_val_loss'], 4)}, "
+                f"{cut(r['final_train_loss'], 4)}"
                 for r in summary[key]["rows"]
             )
             lines.append(f"- {MODE_TITLES[key[1]]}: {per_seed}")
@@ -417,9 +429,9 @@ def write_report(rows: list[dict], doc: Path) -> str:
         if before:
             lines += ["", "Before and after training (validation loss, perplexity):", ""]
             lines += [
-                f"- {MODE_TITLES[key[1]]} s{r['seed']}: {r['initial_val_loss']:.4f} "
-                f"({math.exp(r['initial_val_loss']):.2f}) -> {r['final_val_loss']:.4f} "
-                f"({math.exp(r['final_val_loss']):.2f})"
+                f"- {MODE_TITLES[key[1]]} s{r['seed']}: {cut(r['initial_val_loss'], 4)} "
+                f"({cut(math.exp(r['initial_val_loss']), 2)}) -> {cut(r['final_val_loss'], 4)} "
+                f"({cut(math.exp(r['final_val_loss']), 2)})"
                 for key, r in before
             ]
         lines.append("")

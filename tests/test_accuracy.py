@@ -110,9 +110,10 @@ def test_report_gaps_and_seed_ranges(tmp_path):
     summary = accuracy.summarize(loaded)
     assert summary[("tiny", "coat")]["final"] == pytest.approx((2.03, 2.02, 2.04))
     assert accuracy.gap(summary, "tiny", "coat", "final") == pytest.approx(100 * (2.03 / 2.05 - 1))
-    # best: coat 1.95 against bf16 1.925, +1.30%: outside 0.5%, inside bf16's range of 0.05.
+    # best: coat 1.95 against bf16 1.925, +1.2987%, printed truncated (never rounded up):
+    # outside 0.5%, inside bf16's range of 0.05.
     assert accuracy.verdict(summary, "tiny", "coat", "best") == (
-        "+1.30%: outside 0.5%, inside BF16's seed range"
+        "+1.29%: outside 0.5%, inside BF16's seed range"
     )
     doc = tmp_path / "doc.md"
     doc.write_text("old table\n" + accuracy.NOTES_MARKER + "\nmy reading\n")
@@ -120,6 +121,15 @@ def test_report_gaps_and_seed_ranges(tmp_path):
     assert "old table" not in text and text.endswith("my reading\n")
     assert "| COAT + coat_adamw | 0,1 | 2.0300 [2.0200, 2.0400] |" in text
     assert (tmp_path / "doc.png").stat().st_size > 0
+
+
+def test_report_figures_are_truncated_not_rounded():
+    assert accuracy.cut(1.85159, 4) == "1.8515"
+    assert accuracy.cut(0.49996, 2, sign=True) == "+0.49"  # a rounded +0.50 would misstate it
+    assert accuracy.cut(-1.2649, 2, sign=True) == "-1.26"  # toward zero
+    assert accuracy.cut(0.0, 2, sign=True) == "+0.00"
+    assert accuracy.cut(469991.9, 0) == "469,991"
+    assert accuracy.cut(2.03, 4) == "2.0300"  # the float's shortest repr, not 2.02999...
 
 
 def test_tiny_smoke_run(tmp_path):
