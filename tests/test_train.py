@@ -235,6 +235,33 @@ def test_resume_is_bit_exact(tmp_path, cache_dir):
     assert resumed.val_loss == straight.val_loss
 
 
+def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_dir):
+    """``deterministic=true`` compiles with ``xla_gpu_deterministic_ops`` (a misspelt option would
+    fail to compile here too); on the CPU, deterministic anyway, the run is the same bit for bit."""
+    from coat_jax.training.loop import compiler_options
+
+    assert "xla_gpu_deterministic_ops" not in (compiler_options(tiny(tmp_path, cache_dir)) or {})
+    cfg = tiny(tmp_path / "det", cache_dir, "steps=6", "deterministic=true")
+    assert compiler_options(cfg)["xla_gpu_deterministic_ops"] is True
+    det = train(cfg)
+    plain = train(tiny(tmp_path / "plain", cache_dir, "steps=6"))
+    assert losses(tmp_path / "det") == losses(tmp_path / "plain")
+    assert tree_bytes(det.params) == tree_bytes(plain.params)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_deterministic_gpu_runs_repeat_bit_for_bit(tmp_path, cache_dir):
+    """On the GPU two runs of one configuration may differ (atomics in the embedding's scatter-add
+    gradient, reductions); with ``deterministic=true`` they must not."""
+    runs = [
+        train(tiny(tmp_path / name, cache_dir, "steps=20", "deterministic=true"))
+        for name in ("a", "b")
+    ]
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert tree_bytes(runs[0].params) == tree_bytes(runs[1].params)
+    assert tree_bytes(runs[0].opt_state) == tree_bytes(runs[1].opt_state)
+
+
 def test_a_checkpoint_resumes_in_the_other_layer_layout(tmp_path, cache_dir):
     # Unrolled for 4 steps, then scanned (with COAT's remat policy) to 8: the FP8 optimizer
     # state is stacked on restore, and the run continues as the unrolled one does.

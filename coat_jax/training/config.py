@@ -118,6 +118,12 @@ class TrainConfig:
       other than the embedding only.
     - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
+    - ``deterministic``: compile the training step and the evaluation with XLA's
+      ``xla_gpu_deterministic_ops`` (``coat_jax.training.loop.compiler_options``), so that a
+      GPU run repeats bit for bit: no atomics in scatters (the embedding's gradient) and
+      reductions, no autotuning between kernels. Slower; off by default. The CPU backend is
+      deterministic without it. Two H200 runs of the same ``scratch_code`` configuration
+      without it ended 0.0048 apart in validation loss (docs/accuracy.md).
     - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
       or ``coat``) the range of the FP8 activation scales to the metrics records written
       every ``log_every`` steps (and at the first and last step), computed on those steps
@@ -190,6 +196,7 @@ class TrainConfig:
     sample_tokens: int = 64
     eval_at_start: bool = False
     compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
+    deterministic: bool = False
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):

@@ -490,6 +490,20 @@ class TrainProgram:
         return jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
 
 
+def compiler_options(cfg: TrainConfig) -> dict | None:
+    """``jax.jit``'s ``compiler_options`` for the run's training step and evaluation.
+
+    On a GPU: no Triton GEMM fusion, so that the FP8 linears compile to cuBLASLt FP8 GEMMs
+    (:func:`coat_jax.fp8_ops.fp8_compiler_options`). With ``cfg.deterministic`` also XLA's
+    ``xla_gpu_deterministic_ops`` (on every backend: the CPU's compiler takes the option and
+    ignores it, so a misspelt option fails the CPU tests too).
+    """
+    options = dict(fp8_compiler_options() or {})
+    if cfg.deterministic:
+        options["xla_gpu_deterministic_ops"] = True
+    return options or None
+
+
 def build_program(
     cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None, *, observe_activations: bool = True
 ) -> TrainProgram:
@@ -542,13 +556,12 @@ def build_program(
         in_shardings=(param_sh, opt_sh, batch_sh),
         out_shardings=(param_sh, opt_sh, None),
         donate_argnums=(0, 1),
-        # On a GPU: no Triton GEMM fusion, so that the FP8 linears compile to cuBLASLt FP8 GEMMs.
-        compiler_options=fp8_compiler_options(),
+        compiler_options=compiler_options(cfg),
     )
     eval_fn = jax.jit(
         lambda p, t: next_token_loss(model_def, p, t),
         in_shardings=(param_sh, eval_batch_sh),
-        compiler_options=fp8_compiler_options(),
+        compiler_options=compiler_options(cfg),
     )
     return TrainProgram(
         cfg,
