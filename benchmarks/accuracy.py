@@ -295,12 +295,26 @@ METRICS = {
 
 def cut(x: float, digits: int, sign: bool = False) -> str:
     """``x`` with ``digits`` decimals, truncated toward zero, never rounded up: the report's
-    figures (its gaps decide within/outside, so a rounded 0.4996% must not print as 0.50%)."""
+    figures (its gaps decide within/outside, so a rounded 0.4996% must not print as 0.50%).
+    Thousands are grouped only in whole numbers (tokens/s)."""
+    if not math.isfinite(x):
+        return f"{x:+}" if sign else f"{x}"
     d = decimal.Decimal(repr(float(x))).quantize(
         decimal.Decimal(1).scaleb(-digits), rounding=decimal.ROUND_DOWN
     )
-    text = f"{d:,.{digits}f}"
-    return ("+" + text if d >= 0 else text) if sign else text
+    text = f"{d:,.0f}" if digits == 0 else f"{d:.{digits}f}"
+    if text.startswith("-") and decimal.Decimal(text) == 0:
+        text = text[1:]  # -0.001 truncates to zero, which has no sign
+    return "+" + text if sign and not text.startswith("-") else text
+
+
+def gap_text(g: float) -> str:
+    """A gap in % for the verdict: two decimals, more where two would print 0.5 for a gap
+    above 0.5 (0.5004 -> +0.5004%), so the figure never contradicts its verdict."""
+    digits = 2
+    while digits < 6 and g > 0.5 and float(cut(g, digits)) <= 0.5:
+        digits += 1
+    return cut(g, digits, sign=True)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -342,7 +356,7 @@ def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
     if g is None:
         return "-"
     base, s = summary[(setting, "bf16")], summary[(setting, mode)]
-    parts = [f"{cut(g, 2, sign=True)}%: {'within' if g <= 0.5 else 'outside'} 0.5%"]
+    parts = [f"{gap_text(g)}%: {'within' if g <= 0.5 else 'outside'} 0.5%"]
     if len(base["seeds"]) > 1:
         spread = base[metric][2] - base[metric][1]
         inside = abs(s[metric][0] - base[metric][0]) <= spread

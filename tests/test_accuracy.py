@@ -130,6 +130,12 @@ def test_report_figures_are_truncated_not_rounded():
     assert accuracy.cut(0.0, 2, sign=True) == "+0.00"
     assert accuracy.cut(469991.9, 0) == "469,991"
     assert accuracy.cut(2.03, 4) == "2.0300"  # the float's shortest repr, not 2.02999...
+    assert accuracy.cut(-0.001, 2, sign=True) == "+0.00"  # no "+-0.00"
+    assert accuracy.cut(-0.001, 2) == "0.00"
+    assert accuracy.cut(49020.129, 2) == "49020.12"  # grouped only when whole
+    assert accuracy.cut(float("nan"), 4) == "nan" and accuracy.cut(float("inf"), 2, True) == "+inf"
+    assert accuracy.gap_text(0.5004) == "+0.5004" and accuracy.gap_text(0.4999) == "+0.49"
+    assert accuracy.gap_text(-0.2) == "-0.20"
 
 
 def test_tiny_smoke_run(tmp_path):
