@@ -127,6 +127,13 @@ def test_bad_config_is_a_clear_error(override, message):
         load_config(REPO / "configs" / "default.yaml", [override])
 
 
+def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
+    with pytest.raises(ValueError, match="precision=bf16 has none"):
+        load_config(REPO / "configs" / "default.yaml", ["precision=bf16", "fp8_kernels=xla"])
+    with pytest.raises(ValueError, match="fp8_kernels"):
+        load_config(REPO / "configs" / "default.yaml", ["fp8_kernels=interpret"])
+
+
 def test_train_py_reports_config_errors_without_traceback():
     proc = subprocess.run(
         [sys.executable, "train.py", "stepz=3"], cwd=REPO, capture_output=True, text=True
@@ -256,14 +263,50 @@ def test_the_step_and_the_evaluation_compile_with_compiler_options(monkeypatch, 
     monkeypatch.setattr(loop, "compiler_options", lambda cfg: {"xla_no_such_option": True})
     cfg = tiny(tmp_path, str(tmp_path))
     prog = loop.build_program(cfg, cfg.model)
-    params = jax.eval_shape(prog.init_params, jax.random.key(0))
-    state = jax.eval_shape(prog.init_opt_state, params)
-    batch = jax.ShapeDtypeStruct((1, cfg.batch_size, cfg.seq_len + 1), jnp.int32)
+    params, state = prog.abstract_params, prog.abstract_opt_state
     with pytest.raises(Exception, match="No such compile option"):
-        prog.step_fn.lower(params, state, batch).compile()
+        prog.step_fn.lower(params, state, prog.abstract_batch()).compile()
     windows = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jnp.int32)
     with pytest.raises(Exception, match="No such compile option"):
         prog.eval_fn.lower(params, windows).compile()
+
+
+def _kernel_names(jaxpr) -> set[str]:
+    """The names of every ``pallas_call`` in a jaxpr, recursively."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            # "name" in JAX 0.10, "name_and_src_info" in later releases.
+            name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
+            names.add(getattr(name, "name", str(name)))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    names |= _kernel_names(sub)
+    return names
+
+
+@pytest.mark.parametrize("fp8_kernels", [None, "xla"])
+def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path):
+    """``fp8_kernels=xla``: the FP8 activation ops run as XLA (no kernel of theirs in the step)
+    while coat_adamw keeps its Pallas kernel; unset, both run Pallas (here in interpret mode)."""
+    from coat_jax.training import loop
+
+    extra = [] if fp8_kernels is None else [f"fp8_kernels={fp8_kernels}"]
+    cfg = tiny(tmp_path, str(tmp_path), "kernels=interpret", *extra)
+    prog = loop.build_program(cfg, cfg.model)
+    names = _kernel_names(
+        prog.step_fn.trace(
+            prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()
+        ).jaxpr
+    )
+    optimizer = {n for n in names if n.startswith("coat_adamw")}
+    assert optimizer, names
+    if fp8_kernels is None:
+        assert names - optimizer, names  # the FP8 ops' own kernels
+    else:
+        assert names == optimizer, names
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")

@@ -41,6 +41,8 @@ DESCRIPTIONS = {
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
     "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh); xla: jnp; pallas; "
     "interpret: auto in Pallas interpret mode (CPU tests, slow)",
+    "fp8_kernels": "kernels for the FP8 activation ops alone (auto, xla, pallas; null: as "
+    "kernels), the optimizer keeping kernels'",
     "init_from": "HF/coat-jax folder or .gguf to start from (pkg:PACKAGE/FILE looks in a package)",
     "model.vocab_size": "vocabulary size (at least the tokenizer's)",
     "model.hidden_size": "width of the residual stream",

@@ -91,6 +91,11 @@ class TrainConfig:
       run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh; plain jnp elsewhere),
       ``xla`` (plain jnp), ``pallas`` (the kernels, an error where one cannot run) or
       ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
+    - ``fp8_kernels``: ``kernels`` for the FP8 activation ops alone (quantizers and fused
+      non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s:
+      e.g. ``fp8_kernels: xla`` lets XLA fuse the quantization into its neighbours while
+      coat_adamw runs its Pallas kernel, for shapes where the separate Pallas kernels cost
+      more than they save (issue 12 measures which). ``null``: as ``kernels``.
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
       ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept
@@ -150,6 +155,7 @@ class TrainConfig:
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
+    fp8_kernels: Literal["auto", "xla", "pallas"] | None = None
     fused_apply: bool = True
     optimizer_in_backward: bool = False
     # Data.
@@ -244,6 +250,11 @@ class TrainConfig:
             raise ValueError(
                 "fp8_weight_residual=fp8 needs precision fp8 or coat (precision bf16 has no FP8 "
                 "weights); set fp8_weight_residual=once (the default) or master"
+            )
+        if self.fp8_kernels is not None and self.precision == "bf16":
+            raise ValueError(
+                f"fp8_kernels={self.fp8_kernels} picks the kernels of the FP8 activation ops, and "
+                "precision=bf16 has none; use precision=fp8 or coat, or set fp8_kernels=null"
             )
         if self.fp8_group_scale != "float32" and not (
             self.precision == "coat" or (self.precision == "fp8" and self.fp8_attention)

@@ -109,7 +109,7 @@ def _split_params(model) -> tuple[Any, Any]:
 def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelDef:
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
-    ``cfg.kernels`` picks where the FP8 ops run; with ``mesh`` (a program on several devices)
+    ``cfg.kernels`` (or ``cfg.fp8_kernels``) picks where the FP8 ops run; with ``mesh`` (a program on several devices)
     their Pallas kernels run on each shard (``FP8Config(mesh=KernelMesh(mesh))``): activations
     split over the batch axes, weights as the trainer's FSDP rule places them.
     """
@@ -122,7 +122,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         abstract.fp8_config,
         weight_residual=cfg.fp8_weight_residual,
         group_scale=cfg.fp8_group_scale,
-        **kernel_options(cfg),
+        **kernel_options(cfg, fp8_ops=True),
         **placement,
     )
     graphdef, state = _split_params(abstract)

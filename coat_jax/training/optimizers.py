@@ -94,11 +94,14 @@ def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransfor
     )
 
 
-def kernel_options(cfg: TrainConfig) -> dict:
-    """``implementation`` and ``interpret`` of the kernels for ``cfg.kernels``."""
-    if cfg.kernels == "interpret":
-        return dict(implementation="auto", interpret=True)
-    return dict(implementation=cfg.kernels, interpret=False)
+def kernel_options(cfg: TrainConfig, *, fp8_ops: bool = False) -> dict:
+    """``implementation`` and ``interpret`` of the kernels for ``cfg.kernels``; with
+    ``fp8_ops``, of the FP8 activation ops, which ``cfg.fp8_kernels`` overrides."""
+    interpret = cfg.kernels == "interpret"
+    implementation = "auto" if interpret else cfg.kernels
+    if fp8_ops and cfg.fp8_kernels is not None:
+        implementation = cfg.fp8_kernels
+    return dict(implementation=implementation, interpret=interpret)
 
 
 def make_optimizer(
