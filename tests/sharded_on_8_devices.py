@@ -25,6 +25,7 @@ from coat_jax import fp8_ops
 from coat_jax.training import sharding
 from pallas_kernels import _dispatch, fp8_act, fp8_quant
 from pallas_kernels.sharding import KernelMesh, group_aligned_spec
+from tests.jaxprs import pallas_calls
 from tests.tiny_runs import tiny_run
 
 if jax.device_count() != 8:
@@ -398,22 +399,6 @@ def _config(*overrides):
     return load_config(ROOT / "configs" / "default.yaml", [*TINY, *overrides])
 
 
-def _pallas_calls(jaxpr, inside=False) -> list[tuple[str, bool]]:
-    """``(kernel name, inside a shard_map)`` of every ``pallas_call`` in a jaxpr, recursively."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            # "name" in JAX 0.10, "name_and_src_info" in later releases.
-            name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-            found.append((getattr(name, "name", str(name)), inside))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found += _pallas_calls(sub, inside or eqn.primitive.name == "shard_map")
-    return found
-
-
 def _abstract(tree, shardings):
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
@@ -435,7 +420,7 @@ def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothi
     params = _abstract(program.abstract_params, program.param_shardings)
     state = _abstract(program.abstract_opt_state, program.opt_shardings)
     batch = jax.ShapeDtypeStruct((1, 8, 33), jnp.int32, sharding=program.batch_sharding)
-    calls = _pallas_calls(jax.make_jaxpr(program.step_fn)(params, state, batch).jaxpr)
+    calls = pallas_calls(jax.make_jaxpr(program.step_fn)(params, state, batch).jaxpr)
     assert KERNELS <= {name for name, _ in calls}, calls
     assert all(inside for _, inside in calls), [c for c in calls if not c[1]]
 

@@ -26,6 +26,7 @@ import pytest
 
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
+from tests.jaxprs import pallas_calls
 from tests.tiny_runs import tiny_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,22 +272,6 @@ def test_the_step_and_the_evaluation_compile_with_compiler_options(monkeypatch, 
         prog.eval_fn.lower(params, windows).compile()
 
 
-def _kernel_names(jaxpr) -> set[str]:
-    """The names of every ``pallas_call`` in a jaxpr, recursively."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            # "name" in JAX 0.10, "name_and_src_info" in later releases.
-            name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-            names.add(getattr(name, "name", str(name)))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    names |= _kernel_names(sub)
-    return names
-
-
 @pytest.mark.parametrize("fp8_kernels", [None, "xla"])
 def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path):
     """``fp8_kernels=xla``: the FP8 activation ops run as XLA (no kernel of theirs in the step)
@@ -296,11 +281,10 @@ def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path):
     extra = [] if fp8_kernels is None else [f"fp8_kernels={fp8_kernels}"]
     cfg = tiny(tmp_path, str(tmp_path), "kernels=interpret", *extra)
     prog = loop.build_program(cfg, cfg.model)
-    names = _kernel_names(
-        prog.step_fn.trace(
-            prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()
-        ).jaxpr
-    )
+    jaxpr = prog.step_fn.trace(
+        prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()
+    ).jaxpr
+    names = {name for name, _ in pallas_calls(jaxpr)}
     optimizer = {n for n in names if n.startswith("coat_adamw")}
     assert optimizer, names
     if fp8_kernels is None:
