@@ -95,7 +95,7 @@ class TrainConfig:
       non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s:
       e.g. ``fp8_kernels: xla`` lets XLA fuse the quantization into its neighbours while
       coat_adamw runs its Pallas kernel, for shapes where the separate Pallas kernels cost
-      more than they save (issue 12 measures which). ``null``: as ``kernels``.
+      more than they save. ``null``: as ``kernels``.
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
       ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept
