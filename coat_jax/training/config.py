@@ -126,13 +126,17 @@ class TrainConfig:
     - ``deterministic``: compile the training step and the evaluation with XLA's
       ``xla_gpu_deterministic_ops`` (``coat_jax.training.loop.compiler_options``), meant to make
       a single-GPU run repeat bit for bit: scatters (the embedding's gradient) and reductions
-      without atomics, no autotuning between kernels. It covers what XLA compiles; the Pallas
-      kernels use no atomics; collectives across devices are not covered. Slower; off by
+      without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
+      collectives across devices are not covered. Slower; off by
       default. Not yet verified on a GPU (``tests/test_train.py::
       test_deterministic_gpu_runs_repeat_bit_for_bit`` is the check). The CPU backend is
       deterministic without it. Why it exists: two H200 runs of BF16 seed 0 of the
       ``scratch_code`` study, one session's code changes apart (none of them in BF16's step),
       ended 0.0048 apart in validation loss (docs/accuracy.md).
+    - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
+      or ``coat``) the range of the FP8 activation scales to the metrics records written
+      every ``log_every`` steps (and at the first and last step), computed on those steps
+      only (``coat_jax.training.telemetry``, docs/telemetry.md).
     """
 
     # Run.

@@ -109,9 +109,10 @@ def _split_params(model) -> tuple[Any, Any]:
 def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelDef:
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
-    ``cfg.kernels`` (or ``cfg.fp8_kernels``) picks where the FP8 ops run; with ``mesh`` (a program on several devices)
-    their Pallas kernels run on each shard (``FP8Config(mesh=KernelMesh(mesh))``): activations
-    split over the batch axes, weights as the trainer's FSDP rule places them.
+    ``cfg.kernels`` (or ``cfg.fp8_kernels``) picks where the FP8 ops run; with ``mesh`` (a
+    program on several devices) their Pallas kernels run on each shard
+    (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes, weights as
+    the trainer's FSDP rule places them.
     """
     abstract = nnx.eval_shape(lambda: new_model(llama_cfg, cfg, jax.random.key(0)))
     placement = {}
