@@ -218,8 +218,13 @@ def gib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / GIB:.2f}"
 
 
+def times(x: float) -> str:
+    """A ratio to three places, truncated: a published ratio is never rounded up."""
+    return f"{math.floor(x * 1000) / 1000:.3f}x"
+
+
 def ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` to three places, truncated: a published ratio is never rounded up."""
+    """``a / b`` as :func:`times` writes it."""
     if not a or not b:
         return "n/a"
-    return f"{math.floor(a / b * 1000) / 1000:.3f}x"
+    return times(a / b)

@@ -310,7 +310,7 @@ def pays_sentence(rows: list[dict]) -> str:
     measured = [r for r in rows if r["ratio"] is not None]
     if not measured:
         return "No size was measured in both BF16 and COAT, so the data say nothing about sizes."
-    show = lambda r: f"{r['name']} ({fmt_params(r['n_params'])} parameters, {r['ratio']:.3f}x)"
+    show = lambda r: f"{r['name']} ({fmt_params(r['n_params'])} parameters, {C.times(r['ratio'])})"
     listed = lambda rs: ", ".join(show(r) for r in rs)
     pays = [r["ratio"] >= 1.0 for r in measured]
     first = len(measured)  # the smallest size from which every larger measured one pays

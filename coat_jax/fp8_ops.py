@@ -82,6 +82,8 @@ ACTIVATION = "activation"
 WEIGHT = "fp8_weight"
 # What ``fp8_linear`` keeps of its weights for backward (``FP8Config.weight_residual``).
 WEIGHT_RESIDUALS = ("master", "fp8", "once")
+# Attention's kernel: "auto" is cuDNN's fused attention on a GPU in BF16, XLA's elsewhere.
+ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")
 
 
 def keep(tree):
@@ -135,6 +137,13 @@ class FP8Config:
         layer kept for backward (docs/memory_options.md, "One-byte group scales"). The codes
         then differ: each value's relative FP8 rounding is unchanged, a group's largest value
         lands in (fmax / 2, fmax] rather than at fmax.
+      attention: the kernel of the model's attention (and of :func:`fp8_attention`'s forward
+        and its re-run in backward): ``"auto"`` (default) cuDNN's fused attention on a GPU in
+        BF16, XLA's elsewhere; ``"xla"`` XLA's everywhere (the trainer's ``deterministic``
+        takes it: on the H200, JAX 0.11.2, a BF16 Llama step failed to compile with
+        ``xla_gpu_deterministic_ops`` while the float32 step, on XLA's attention, compiled;
+        that XLA's attention alone fixes the BF16 step is not verified there); ``"cudnn"``
+        cuDNN's (GPU only).
     """
 
     act_format: str = "e4m3"
@@ -147,6 +156,7 @@ class FP8Config:
     mesh: KernelMesh | None = None
     weight_residual: str = "master"
     group_scale: str = "float32"
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.gemm_dequant not in GEMM_DEQUANT:
@@ -164,6 +174,11 @@ class FP8Config:
             raise ValueError(
                 f"group_scale={self.group_scale!r} is not one of {list(quant.SCALE_FORMATS)}: "
                 "'float32' keeps exact 1xG scales, 'e8m0' power-of-two scales in one byte"
+            )
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention={self.attention!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}: "
+                "'auto' runs cuDNN's fused attention on a GPU in BF16, 'xla' XLA's everywhere"
             )
         quant.fp8_format(self.act_format)
         quant.fp8_format(self.grad_format)
@@ -662,9 +677,16 @@ def _fp8_swiglu_bwd(config, res, dy):
 fp8_swiglu.defvjp(_fp8_swiglu_fwd, _fp8_swiglu_bwd)
 
 
-def _attend(q, k, v, is_causal):
-    # cuDNN's fused attention on the GPU in BF16, XLA's elsewhere (as jax.nn picks by default).
-    impl = "cudnn" if jax.default_backend() == "gpu" and q.dtype == jnp.bfloat16 else "xla"
+def attention_implementation(dtype, choice: str = "auto") -> str:
+    """``jax.nn.dot_product_attention``'s ``implementation`` for :attr:`FP8Config.attention`:
+    ``"auto"`` is cuDNN's fused attention on the GPU in BF16 and XLA's elsewhere."""
+    if choice != "auto":
+        return choice
+    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
+
+
+def _attend(q, k, v, is_causal, choice="auto"):
+    impl = attention_implementation(q.dtype, choice)
     return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
 
 
@@ -697,14 +719,14 @@ def _fp8_attention_fwd(q, k, v, is_causal, config):
                 f"fp8_attention needs [B, T, N, H] arrays of one dtype; got {name} "
                 f"{t.shape} {t.dtype} (q is {q.shape} {q.dtype})"
             )
-    out = _attend(q, k, v, is_causal)
+    out = _attend(q, k, v, is_causal, config.attention)
     saved = [fp8_quant.quantize_per_group(t, **config.quantize_kwargs()) for t in (q, k, v)]
     return out, keep(materialize(tuple(saved)))
 
 
 def _fp8_attention_bwd(is_causal, config, res, dy):
     q, k, v = (t.dequantize().astype(dy.dtype) for t in res)
-    _, pullback = jax.vjp(lambda q, k, v: _attend(q, k, v, is_causal), q, k, v)
+    _, pullback = jax.vjp(lambda q, k, v: _attend(q, k, v, is_causal, config.attention), q, k, v)
     return pullback(dy)
 
 

@@ -36,6 +36,7 @@ from coat_jax.fp8_ops import (
     FP8Weight,
     OpSet,
     ScaleRecorder,
+    attention_implementation,
     fp8_attention,
     ops_for,
     quantize_weight,
@@ -319,14 +320,8 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
     return x_BTNH * cos + rotated * sin
 
 
-def _attention_impl(dtype) -> str:
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16:
-        return "cudnn"
-    return "xla"
-
-
-def _attend(q_BTNH, k_BTKH, v_BTKH):
-    impl = _attention_impl(q_BTNH.dtype)
+def _attend(q_BTNH, k_BTKH, v_BTKH, implementation="auto"):
+    impl = attention_implementation(q_BTNH.dtype, implementation)
     attend = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation=impl
     )
@@ -335,8 +330,8 @@ def _attend(q_BTNH, k_BTKH, v_BTKH):
     return attend(q_BTNH, k_BTKH, v_BTKH)
 
 
-@jax.custom_vjp
-def causal_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def causal_attention(q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto") -> jax.Array:
     """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
 
     On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
@@ -344,16 +339,19 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH) -> jax.Array:
     (`jax.checkpoint` keeps the inputs only; docs/design.md, 'The precision flow'). Whatever the
     implementation keeps is tagged `ATTENTION` for the remat policies: the forward is
     `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
+    ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`.
     """
-    return _attend(q_BTNH, k_BTKH, v_BTKH)
+    return _attend(q_BTNH, k_BTKH, v_BTKH, implementation)
 
 
-def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH):
-    out, pullback = jax.vjp(_attend, q_BTNH, k_BTKH, v_BTKH)
+def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto"):
+    out, pullback = jax.vjp(
+        lambda q, k, v: _attend(q, k, v, implementation), q_BTNH, k_BTKH, v_BTKH
+    )
     return out, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION), pullback)
 
 
-def _causal_attention_bwd(pullback, dout):
+def _causal_attention_bwd(implementation, pullback, dout):
     return pullback(dout)
 
 
@@ -474,6 +472,10 @@ def _model_ops(precision: str, config: FP8Config, fp8_attn: bool, recorder=None)
         else:
             attention = recorded_attention(config, recorder)
         ops = ops._replace(attention=attention)
+    elif ops.attention is None:
+        ops = ops._replace(
+            attention=functools.partial(causal_attention, implementation=config.attention)
+        )
     return ops
 
 

@@ -187,6 +187,35 @@ def test_cpu_attention_saves_no_probabilities():
     assert not [s for s in shapes if s[-2:] == (t, t)], shapes
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN runs there")
+@pytest.mark.parametrize(
+    "precision, fp8_attention", [("bf16", False), ("coat", False), ("coat", True)]
+)
+def test_the_attention_setting_reaches_the_attention(precision, fp8_attention):
+    """``FP8Config.attention`` picks the kernel the model's attention runs: on the CPU ``cudnn``
+    reaches jax.nn's cuDNN path (which refuses without a GPU) and ``xla`` runs."""
+    from coat_jax.fp8_ops import FP8Config
+
+    cfg = _tiny(num_hidden_layers=1)
+    tokens = jnp.zeros((1, 16), jnp.int32)
+    for choice in ("xla", "cudnn"):
+        model = Llama(
+            cfg,
+            precision=precision,
+            fp8_attention=fp8_attention,
+            fp8_config=FP8Config(attention=choice),
+            rngs=nnx.Rngs(0),
+        )
+        graphdef, state = nnx.split(model)
+        loss = lambda s, g=graphdef: nnx.merge(g, s)(tokens).astype(jnp.float32).sum()
+        run = jax.jit(jax.grad(loss)).lower
+        if choice == "xla":
+            run(state)
+        else:
+            with pytest.raises(RuntimeError, match="cuDNN"):
+                run(state)
+
+
 def test_rope_is_relative_positions_shift(saved_cases):
     # RoPE attention depends only on position differences: shifting every position leaves the
     # logits unchanged up to float32 rounding, while other positions change them.

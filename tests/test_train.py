@@ -272,6 +272,48 @@ def test_the_step_and_the_evaluation_compile_with_compiler_options(monkeypatch, 
         prog.eval_fn.lower(params, windows).compile()
 
 
+def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch, tmp_path):
+    """XLA's compiler failing under ``deterministic=true`` (as a BF16 step did on the H200, an
+    ``IndexError`` from absl) ends as a ``ValueError`` that names the option and the fix; without
+    the option the error is left as it is."""
+    from coat_jax.training import loop
+
+    def fails(*_):
+        raise IndexError("absl::container_internal::raw_hash_map<>::at")
+
+    monkeypatch.setattr(loop, "_first_step", fails)
+    with pytest.raises(ValueError, match="deterministic=true.*Set deterministic=false"):
+        train(tiny(tmp_path / "det", str(tmp_path), "steps=4", "deterministic=true"))
+    with pytest.raises(IndexError):
+        train(tiny(tmp_path / "plain", str(tmp_path), "steps=4"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "coat"])
+def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
+    """A step with ``deterministic=true`` asks for XLA's attention, not cuDNN's (with XLA's
+    deterministic ops a BF16 step with cuDNN's attention did not compile on the H200)."""
+    from coat_jax import llama
+    from coat_jax.training import loop
+
+    asked = []
+    real = llama.attention_implementation
+
+    def spy(dtype, choice="auto"):
+        asked.append(choice)
+        return real(dtype, choice)
+
+    monkeypatch.setattr(llama, "attention_implementation", spy)
+    extra = ["optimizer=adamw"] if precision == "bf16" else []
+    for det, want in (("false", {"auto"}), ("true", {"xla"})):
+        asked.clear()
+        cfg = tiny(
+            tmp_path, str(tmp_path), f"precision={precision}", f"deterministic={det}", *extra
+        )
+        prog = loop.build_program(cfg, cfg.model)
+        prog.step_fn.trace(prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch())
+        assert set(asked) == want, (det, asked)
+
+
 @pytest.mark.parametrize("fp8_kernels", [None, "xla"])
 def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path):
     """``fp8_kernels=xla``: the FP8 activation ops run as XLA (no kernel of theirs in the step)

@@ -105,8 +105,8 @@ DESCRIPTIONS = {
     "sample_prompt": "prompt of the short sample printed at the end of a run (null: no sample)",
     "sample_tokens": "tokens the end-of-run sample generates",
     "compilation_cache_dir": "JAX's persistent compilation cache (null: off)",
-    "deterministic": "compile with XLA's xla_gpu_deterministic_ops, so that a single-GPU run "
-    "repeats bit for bit (slower)",
+    "deterministic": "compile with XLA's xla_gpu_deterministic_ops and XLA's attention, so "
+    "that a single-GPU run repeats bit for bit (slower; not yet verified on a GPU)",
     "mesh.data": "data-parallel size (-1: all remaining devices)",
     "mesh.fsdp": "parameter-sharding (FSDP) size (-1: all remaining devices)",
 }

@@ -127,12 +127,15 @@ class TrainConfig:
       ``xla_gpu_deterministic_ops`` (``coat_jax.training.loop.compiler_options``), meant to make
       a single-GPU run repeat bit for bit: scatters (the embedding's gradient) and reductions
       without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
-      collectives across devices are not covered. Slower; off by
-      default. Not yet verified on a GPU (``tests/test_train.py::
-      test_deterministic_gpu_runs_repeat_bit_for_bit`` is the check). The CPU backend is
-      deterministic without it. Why it exists: two H200 runs of BF16 seed 0 of the
-      ``scratch_code`` study, one session's code changes apart (none of them in BF16's step),
-      ended 0.0048 apart in validation loss (docs/accuracy.md).
+      collectives across devices are not covered. The model's attention then runs as XLA's
+      (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by
+      default. On the H200 (JAX 0.11.2) a BF16 step with the XLA option and cuDNN's attention
+      failed to compile (a compile error under this option is reported as one that names it);
+      the XLA attention is the change made for it and has not run there yet
+      (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit`` is the check).
+      The CPU backend is deterministic without it. Why it exists: two H200 runs of BF16 seed 0
+      of the ``scratch_code`` study, one session's code changes apart (none of them in BF16's
+      step), ended 0.0048 apart in validation loss (docs/accuracy.md).
     - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
       or ``coat``) the range of the FP8 activation scales to the metrics records written
       every ``log_every`` steps (and at the first and last step), computed on those steps

@@ -118,11 +118,13 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
     placement = {}
     if mesh is not None:
         placement["mesh"] = KernelMesh(mesh, batch_axes=sharding.BATCH_AXES, param_axis="fsdp")
-    # Static FP8 settings from the trainer config (they live in the graphdef).
+    # Static FP8 settings from the trainer config (they live in the graphdef). XLA's
+    # deterministic ops take XLA's attention (see TrainConfig's ``deterministic``).
     abstract.fp8_config = dataclasses.replace(
         abstract.fp8_config,
         weight_residual=cfg.fp8_weight_residual,
         group_scale=cfg.fp8_group_scale,
+        attention="xla" if cfg.deterministic else "auto",
         **kernel_options(cfg, fp8_ops=True),
         **placement,
     )
@@ -964,6 +966,24 @@ def _first_step(step_fn, args, stop: GracefulStop):
     return box["out"]
 
 
+def _first_step_of(cfg: TrainConfig, step_fn, args, stop: GracefulStop):
+    """:func:`_first_step`; with ``cfg.deterministic`` an error of XLA's compiler becomes a
+    ``ValueError`` that names the option (``train.py`` prints it as one line)."""
+    try:
+        return _first_step(step_fn, args, stop)
+    except (ValueError, FloatingPointError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if not cfg.deterministic:
+            raise
+        raise ValueError(
+            f"the training step failed to compile with deterministic=true (XLA's "
+            f"xla_gpu_deterministic_ops): {type(e).__name__}: {str(e)[:300]}. Set "
+            "deterministic=false; on JAX 0.11.2 on an H200 a BF16 step failed this way, and "
+            "the same step with compute_dtype=float32 compiled"
+        ) from e
+
+
 class _Progress:
     """Steps dispatched but not yet finished, and what finishing one does.
 
@@ -1178,7 +1198,7 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             batch = batch.reshape(cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1)
             args = (params, opt_state, sharding.put_batch(batch, program.batch_sharding))
             if step + 1 == progress.first_step and not agreement.several:
-                outputs = _first_step(program.step_fn, args, stop)
+                outputs = _first_step_of(cfg, program.step_fn, args, stop)
                 if outputs is None:  # the state went to the abandoned step
                     params = opt_state = None
                     break
