@@ -215,7 +215,8 @@ def run_child(args: list[str], *, timeout_s: float, log_path: str | None) -> int
 
 
 def gib(n: float | None) -> str:
-    return "n/a" if n is None else f"{n / GIB:.2f}"
+    """Bytes in GiB to two places, truncated (never rounded up)."""
+    return "n/a" if n is None else f"{math.floor(n / GIB * 100) / 100:.2f}"
 
 
 def times(x: float) -> str:

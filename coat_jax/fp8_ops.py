@@ -140,9 +140,9 @@ class FP8Config:
       attention: the kernel of the model's attention (and of :func:`fp8_attention`'s forward
         and its re-run in backward): ``"auto"`` (default) cuDNN's fused attention on a GPU in
         BF16, XLA's elsewhere; ``"xla"`` XLA's everywhere (the trainer's ``deterministic``
-        takes it: on the H200, JAX 0.11.2, a BF16 Llama step failed to compile with
+        takes it: on the H200, JAX 0.11.2, BF16 Llama steps failed to compile with
         ``xla_gpu_deterministic_ops`` while the float32 step, on XLA's attention, compiled;
-        that XLA's attention alone fixes the BF16 step is not verified there); ``"cudnn"``
+        the cause is not located, and that XLA's attention avoids it is not verified there); ``"cudnn"``
         cuDNN's (GPU only).
     """
 

@@ -17,6 +17,7 @@ import coat_jax
 from coat_jax import optim
 from coat_jax.training.loop import make_schedule
 from coat_jax.training.optimizers import make_optimizer, skip_nonfinite
+from tests.jaxprs import equations, pallas_calls
 
 PARAMS_SHAPES = {"w": (8, 256), "v": (3, 200), "b": (3,), "s": ()}
 
@@ -54,22 +55,7 @@ def _run(tx, fused, steps=3, dtype=jnp.float32):
 
 def _pallas_calls(fn, *args) -> list[str]:
     """Names of the pallas_calls in ``fn``'s jaxpr."""
-    jaxpr = jax.make_jaxpr(fn)(*args)
-    return [
-        str(e.params.get("name_and_src_info", e.params.get("name", "")))
-        for e in _equations(jaxpr.jaxpr)
-        if e.primitive.name == "pallas_call"
-    ]
-
-
-def _equations(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for sub in jax.core.subjaxprs(e) if hasattr(jax.core, "subjaxprs") else ():
-            yield from _equations(sub)
-        for v in e.params.values():
-            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                yield from _equations(v.jaxpr)
+    return [name for name, _ in pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)]
 
 
 MASKS = {
@@ -244,7 +230,7 @@ def test_folded_clip_writes_no_clipped_gradient():
         shapes = {g.shape for g in jax.tree.leaves(grads) if g.ndim}
         selects[name] = [
             e
-            for e in _equations(jaxpr.jaxpr)
+            for e in equations(jaxpr.jaxpr)
             if e.primitive.name == "select_n" and e.outvars[0].aval.shape in shapes
         ]
     assert selects["optax"], "optax's clip should select per gradient: the check proves nothing"
@@ -371,7 +357,7 @@ def test_apply_at_reads_and_writes_the_kernels_stacks_in_place():
     fp8_stack = (LAYERS, 8, 256)
     sliced = [
         e
-        for e in _equations(live)
+        for e in equations(live)
         if e.primitive.name in ("dynamic_slice", "dynamic_update_slice", "gather", "scatter")
         and any(tuple(getattr(v.aval, "shape", ())) == fp8_stack for v in e.invars)
     ]

@@ -273,9 +273,9 @@ def test_the_step_and_the_evaluation_compile_with_compiler_options(monkeypatch, 
 
 
 def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch, tmp_path):
-    """XLA's compiler failing under ``deterministic=true`` (as a BF16 step did on the H200, an
-    ``IndexError`` from absl) ends as a ``ValueError`` that names the option and the fix; without
-    the option the error is left as it is."""
+    """The first step failing under ``deterministic=true`` (as BF16 steps did on the H200, an
+    ``IndexError`` from absl while compiling) ends as a ``ValueError`` that names the option and
+    the fix; without the option the error is left as it is."""
     from coat_jax.training import loop
 
     def fails(*_):
@@ -291,7 +291,7 @@ def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch
 @pytest.mark.parametrize("precision", ["bf16", "coat"])
 def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
     """A step with ``deterministic=true`` asks for XLA's attention, not cuDNN's (with XLA's
-    deterministic ops a BF16 step with cuDNN's attention did not compile on the H200)."""
+    deterministic ops BF16 steps did not compile on the H200, the float32 step did)."""
     from coat_jax import llama
     from coat_jax.training import loop
 

@@ -129,9 +129,10 @@ class TrainConfig:
       without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
       collectives across devices are not covered. The model's attention then runs as XLA's
       (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by
-      default. On the H200 (JAX 0.11.2) a BF16 step with the XLA option and cuDNN's attention
-      failed to compile (a compile error under this option is reported as one that names it);
-      the XLA attention is the change made for it and has not run there yet
+      default. On the H200 (JAX 0.11.2) with the XLA option the BF16 and COAT steps of a tiny
+      model failed to compile, the float32 step compiled (cause not located; an error of the
+      first step under this option is reported as one that names it); XLA's attention is a
+      likely way around it and has not run there yet
       (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit`` is the check).
       The CPU backend is deterministic without it. Why it exists: two H200 runs of BF16 seed 0
       of the ``scratch_code`` study, one session's code changes apart (none of them in BF16's

@@ -967,8 +967,9 @@ def _first_step(step_fn, args, stop: GracefulStop):
 
 
 def _first_step_of(cfg: TrainConfig, step_fn, args, stop: GracefulStop):
-    """:func:`_first_step`; with ``cfg.deterministic`` an error of XLA's compiler becomes a
-    ``ValueError`` that names the option (``train.py`` prints it as one line)."""
+    """:func:`_first_step`; with ``cfg.deterministic`` an error of the first step (its compile,
+    or its run) becomes a ``ValueError`` that names the option (``train.py`` prints it as one
+    line). Runs of several processes compile their first step elsewhere and keep the error."""
     try:
         return _first_step(step_fn, args, stop)
     except (ValueError, FloatingPointError, KeyboardInterrupt):
@@ -977,10 +978,10 @@ def _first_step_of(cfg: TrainConfig, step_fn, args, stop: GracefulStop):
         if not cfg.deterministic:
             raise
         raise ValueError(
-            f"the training step failed to compile with deterministic=true (XLA's "
+            f"the first training step failed to compile or run with deterministic=true (XLA's "
             f"xla_gpu_deterministic_ops): {type(e).__name__}: {str(e)[:300]}. Set "
-            "deterministic=false; on JAX 0.11.2 on an H200 a BF16 step failed this way, and "
-            "the same step with compute_dtype=float32 compiled"
+            "deterministic=false; on JAX 0.11.2 on an H200 BF16 steps failed to compile this "
+            "way, and the same step with compute_dtype=float32 compiled"
         ) from e
 
 
