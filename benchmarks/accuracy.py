@@ -10,6 +10,8 @@ Each mode trains the same model on the same data in the same order (the trainer'
   coat_bf16m    precision=coat  optimizer=coat_adamw   master_dtype=bfloat16 (stochastic rounding)
   coat_inbwd    precision=coat  optimizer=coat_adamw   optimizer_in_backward=true grad_clip=null
   coat_e8m0     precision=coat  optimizer=coat_adamw   fp8_group_scale=e8m0 (1-byte 1x16 scales)
+  coat_xla      precision=coat  optimizer=coat_adamw   fp8_kernels=xla (FP8 ops as XLA fusions)
+  coat_pallas   precision=coat  optimizer=coat_adamw   fp8_kernels=pallas (as Pallas kernels)
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
 or the non-linear ops. Validation text is held out by document (``val_documents``): it is never
@@ -70,6 +72,10 @@ MODES = {
     ],
     # The FP8 activations' 1x16 scales as powers of two in one byte (FP8Config.group_scale).
     "coat_e8m0": ["precision=coat", "optimizer=coat_adamw", "fp8_group_scale=e8m0"],
+    # The FP8 activation ops as XLA's fusions of their jnp references, or as the Pallas kernels
+    # (the trainer's fp8_kernels), whichever the trainer's default is.
+    "coat_xla": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=xla"],
+    "coat_pallas": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=pallas"],
 }
 MODE_TITLES = {
     "bf16": "BF16 + AdamW",
@@ -79,6 +85,8 @@ MODE_TITLES = {
     "coat_bf16m": "COAT + coat_adamw, bfloat16 masters",
     "coat_inbwd": "COAT + coat_adamw in the backward pass, no clipping",
     "coat_e8m0": "COAT + coat_adamw, one-byte (E8M0) activation scales",
+    "coat_xla": "COAT + coat_adamw, FP8 activation ops as XLA fusions",
+    "coat_pallas": "COAT + coat_adamw, FP8 activation ops as Pallas kernels",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.

@@ -166,6 +166,7 @@ def worker(args) -> None:
 
     from coat_jax.memory import residuals
     from coat_jax.training.loop import build_program, next_token_loss
+    from coat_jax.training.optimizers import kernel_options
 
     mode, layout, remat, extra = parse_settings(args.worker)[0]
     seq, tiny, b0 = args.seq, args.tiny, args.equal_batch
@@ -185,6 +186,10 @@ def worker(args) -> None:
         "optimizer": OPTIMIZER[mode],
         "seq": seq,
         "config": os.path.relpath(CONFIG_TINY if tiny else args.config, ROOT),
+        # Where the FP8 activation ops ran (the trainer's default for them has changed).
+        "fp8_ops_implementation": kernel_options(cfg, fp8_ops=True)["implementation"]
+        if mode != "bf16"
+        else None,
         **env,
     }
 

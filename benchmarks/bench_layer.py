@@ -73,6 +73,8 @@ import _common as C  # noqa: E402
 MODES = ("bf16", "fp8", "coat")
 PAPER_U = {"bf16": 22.66, "fp8": 18.33, "coat": 13.33}  # COAT Table 2 (PyTorch, TE for fp8)
 WEIGHT_RESIDUALS = ("master", "fp8", "once")  # coat_jax.fp8_ops.WEIGHT_RESIDUALS (no JAX here)
+# The trainer's fp8_kernels option: "default" leaves it unset (the FP8 ops follow `kernels`).
+FP8_KERNELS = ("default", "auto", "xla", "pallas")
 # The optimizer of each mode's layer step, as train.py pairs them (docs/bench_e2e.md).
 MODE_OPTIMIZERS = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
 # Instructions that launch no kernel of their own: bookkeeping, control flow (its bodies are
@@ -529,10 +531,12 @@ def worker(args) -> None:
     from coat_jax.optim import apply_gradients
     from coat_jax.training import load_config
     from coat_jax.training.loop import build_program
+    from coat_jax.training.optimizers import kernel_options
 
     mode, seq = args.worker, args.seq
     weight_residual = args.weight_residual if mode != "bf16" else "master"
-    label = mode if mode == "bf16" else f"{mode}/{weight_residual}"
+    fp8_kernels = args.fp8_kernels if mode != "bf16" else "default"
+    label = _variant({"mode": mode, "weight_residual": weight_residual, "fp8_kernels": fp8_kernels})
     env = C.environment()
     # The trainer's own model with one decoder layer and the mode's optimizer: what train.py
     # runs, layer by layer.
@@ -547,13 +551,16 @@ def worker(args) -> None:
         "mesh.fsdp=1",
         "compilation_cache_dir=null",
         *(f"model.{k}={v}" for k, v in layer_overrides(args.tiny).items()),
+        *([f"fp8_kernels={fp8_kernels}"] if fp8_kernels != "default" else []),
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "llama2_7b.yaml"), overrides)
     config = cfg.model
     program = build_program(cfg, config)
     model_def = program.model_def
     tx = program.tx
-    keys = {"mode": mode, "weight_residual": weight_residual}
+    keys = {"mode": mode, "weight_residual": weight_residual, "fp8_kernels": fp8_kernels}
+    # What the option resolved to: "default" follows the trainer's default, which has changed.
+    keys["fp8_ops_implementation"] = kernel_options(cfg, fp8_ops=True)["implementation"]
 
     def apply(params, x_BTD, weight_residual=None):
         b, t = x_BTD.shape[:2]
@@ -741,9 +748,13 @@ def _mib(n: float | None) -> str:
 
 
 def _variant(r: dict) -> str:
-    """A record's mode with its weight residual (``coat``, ``coat/fp8``; bf16 has none)."""
+    """A record's mode with its weight residual and, when set, its FP8 kernels (``coat/master``,
+    ``coat/fp8``, ``coat/once/xla``; bf16 has neither)."""
+    if r["mode"] == "bf16":
+        return "bf16"
     wr = r.get("weight_residual", "master")
-    return r["mode"] if r["mode"] == "bf16" else f"{r['mode']}/{wr}"
+    kernels = r.get("fp8_kernels", "default")
+    return f"{r['mode']}/{wr}" + ("" if kernels == "default" else f"/{kernels}")
 
 
 def _find(records: list[dict], kind: str, batch: int, variant: str) -> dict | None:
@@ -831,7 +842,11 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
             "input (on the GPU attention is cuDNN's, which also keeps its output and "
             "log-sum-exp). Mode `coat/fp8` is `coat` with `fp8_weight_residual=fp8` (forward's "
             "FP8 weight codes kept for backward, their bytes in `weight codes kept`), "
-            "`coat/master` the default. Kernels: launches of one step, counted in the "
+            "`coat/master` re-quantizes the float32 weights in backward, `coat/once` "
+            "quantizes each weight once per step (the trainer's default); a third part names "
+            "the trainer's `fp8_kernels` option where set (`coat/once/xla`: the FP8 activation "
+            "ops as XLA's fusions of their jnp references, `pallas`: the Pallas kernels). "
+            "Kernels: launches of one step, counted in the "
             "compiled HLO (`kernel_counts`); memory columns are fwd+bwd's.",
             "",
         ]
@@ -927,6 +942,12 @@ def main(argv=None) -> None:
         "(master: backward re-quantizes the weights; fp8: keeps forward's FP8 codes)",
     )
     p.add_argument(
+        "--fp8-kernels",
+        default="default",
+        help="comma-separated fp8_kernels options for the fp8 and coat modes (default: unset, "
+        "the FP8 ops follow `kernels`; xla: XLA's fusions of the jnp references; pallas)",
+    )
+    p.add_argument(
         "--optimizer",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -968,10 +989,17 @@ def main(argv=None) -> None:
             f"--weight-residual must be a comma-separated list of {list(WEIGHT_RESIDUALS)}, "
             f"got {args.weight_residual!r}"
         )
+    fp8_kernels = [k.strip() for k in args.fp8_kernels.split(",") if k.strip()]
+    if not fp8_kernels or any(k not in FP8_KERNELS for k in fp8_kernels):
+        raise ValueError(
+            f"--fp8-kernels must be a comma-separated list of {list(FP8_KERNELS)}, "
+            f"got {args.fp8_kernels!r}"
+        )
     if args.worker:
-        if len(weight_residuals) != 1:
-            raise ValueError("a worker runs one --weight-residual option")
+        if len(weight_residuals) != 1 or len(fp8_kernels) != 1:
+            raise ValueError("a worker runs one --weight-residual and one --fp8-kernels option")
         args.weight_residual = weight_residuals[0]
+        args.fp8_kernels = fp8_kernels[0]
         worker(args)
         return
     modes = C.parse_modes(args.modes, MODES)
@@ -982,36 +1010,44 @@ def main(argv=None) -> None:
     command = C.command_line()
     C.append_jsonl(jsonl, {"kind": "command", "command": command})
     text = ""
-    for mode in modes:
-        for weight_residual in weight_residuals if mode != "bf16" else ["master"]:
-            child = (
-                [
-                    os.path.abspath(__file__),
-                    f"--worker={mode}",
-                    f"--batches={','.join(map(str, args.batches))}",
-                    f"--seq={args.seq}",
-                    f"--reps={args.reps}",
-                    f"--warmup={args.warmup}",
-                    f"--jsonl={jsonl}",
-                    f"--remat={args.remat}",
-                    f"--weight-residual={weight_residual}",
-                    f"--profile-reps={args.profile_reps}",
-                    "--optimizer" if args.optimizer else "--no-optimizer",
-                ]
-                + (["--tiny"] if args.tiny else [])
-                + (["--scan"] if args.scan else [])
-            )
-            name = mode if mode == "bf16" else f"{mode}_{weight_residual}"
-            rc = C.run_child(
-                child,
-                timeout_s=args.child_timeout_s,
-                log_path=None
-                if args.no_child_logs
-                else os.path.join(args.out_dir, f"layer_{name}.log"),
-            )
-            if rc:
-                print(f"[parent] {name} exited with {rc}; continuing with what it recorded")
-            text = write_docs(args.docs, C.read_jsonl(jsonl), command)
+    variants = [
+        (mode, wr, k)
+        for mode in modes
+        for wr in (weight_residuals if mode != "bf16" else ["master"])
+        for k in (fp8_kernels if mode != "bf16" else ["default"])
+    ]
+    for mode, weight_residual, kernels in variants:
+        child = (
+            [
+                os.path.abspath(__file__),
+                f"--worker={mode}",
+                f"--batches={','.join(map(str, args.batches))}",
+                f"--seq={args.seq}",
+                f"--reps={args.reps}",
+                f"--warmup={args.warmup}",
+                f"--jsonl={jsonl}",
+                f"--remat={args.remat}",
+                f"--weight-residual={weight_residual}",
+                f"--fp8-kernels={kernels}",
+                f"--profile-reps={args.profile_reps}",
+                "--optimizer" if args.optimizer else "--no-optimizer",
+            ]
+            + (["--tiny"] if args.tiny else [])
+            + (["--scan"] if args.scan else [])
+        )
+        name = _variant(
+            {"mode": mode, "weight_residual": weight_residual, "fp8_kernels": kernels}
+        ).replace("/", "_")
+        rc = C.run_child(
+            child,
+            timeout_s=args.child_timeout_s,
+            log_path=None
+            if args.no_child_logs
+            else os.path.join(args.out_dir, f"layer_{name}.log"),
+        )
+        if rc:
+            print(f"[parent] {name} exited with {rc}; continuing with what it recorded")
+        text = write_docs(args.docs, C.read_jsonl(jsonl), command)
     print(text)
 
 

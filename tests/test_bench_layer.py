@@ -331,3 +331,13 @@ def test_tiny_run_on_the_cpu(tmp_path):
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert (tmp_path / "again.md").read_text() == text
+
+
+def test_variant_names_the_fp8_kernels_only_where_set():
+    r = {"mode": "coat", "weight_residual": "once"}
+    assert B._variant(r) == "coat/once"
+    assert B._variant({**r, "fp8_kernels": "default"}) == "coat/once"
+    assert B._variant({**r, "fp8_kernels": "xla"}) == "coat/once/xla"
+    assert B._variant({"mode": "bf16", "fp8_kernels": "default"}) == "bf16"
+    with pytest.raises(ValueError, match="--fp8-kernels must be"):
+        B.main(["--tiny", "--fp8-kernels", "triton", "--out-dir", "unused"])

@@ -135,6 +135,33 @@ def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
         load_config(REPO / "configs" / "default.yaml", ["fp8_kernels=interpret"])
 
 
+@pytest.mark.parametrize(
+    "overrides, fp8_ops, optimizer",
+    [
+        ([], "xla", "auto"),  # the default: XLA's fusions for the FP8 ops, Pallas for the step
+        (["fp8_kernels=pallas"], "pallas", "auto"),
+        (["fp8_kernels=auto"], "auto", "auto"),
+        (["kernels=pallas"], "pallas", "pallas"),
+        (["kernels=xla"], "xla", "xla"),
+        (["kernels=interpret"], "auto", "auto"),  # interpret keeps every Pallas kernel
+        (["kernels=pallas", "fp8_kernels=xla"], "xla", "pallas"),
+    ],
+)
+def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
+    """Unset, ``fp8_kernels`` sends the FP8 activation ops to XLA's fusions under
+    ``kernels: auto`` (measured faster in train.py's step) and follows ``kernels`` otherwise;
+    the optimizer's kernels follow ``kernels`` alone. The model the trainer builds carries it."""
+    from coat_jax.training import loop
+    from coat_jax.training.optimizers import kernel_options
+
+    cfg = load_config(REPO / "configs" / "default.yaml", ["precision=coat", *overrides])
+    assert kernel_options(cfg, fp8_ops=True)["implementation"] == fp8_ops
+    assert kernel_options(cfg)["implementation"] == optimizer
+    model_def = loop.model_def_for(cfg.model, cfg)
+    model = model_def.bind(model_def.abstract_params)
+    assert model.fp8_config.implementation == fp8_ops
+
+
 def test_train_py_reports_config_errors_without_traceback():
     proc = subprocess.run(
         [sys.executable, "train.py", "stepz=3"], cwd=REPO, capture_output=True, text=True

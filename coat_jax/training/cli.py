@@ -39,10 +39,11 @@ DESCRIPTIONS = {
     "fp8_group_scale": "1x16 activation scales: float32 (COAT) or e8m0 (power of two, 1 byte)",
     "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
-    "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh); xla: jnp; pallas; "
+    "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh; the FP8 ops: see "
+    "fp8_kernels); xla: jnp; pallas; "
     "interpret: auto in Pallas interpret mode (CPU tests, slow)",
-    "fp8_kernels": "kernels for the FP8 activation ops alone (auto, xla, pallas; null: as "
-    "kernels), the optimizer keeping kernels'",
+    "fp8_kernels": "kernels for the FP8 activation ops alone (auto, xla, pallas; null: xla "
+    "with kernels=auto, else as kernels), the optimizer keeping kernels'",
     "init_from": "HF/coat-jax folder or .gguf to start from (pkg:PACKAGE/FILE looks in a package)",
     "model.vocab_size": "vocabulary size (at least the tokenizer's)",
     "model.hidden_size": "width of the residual stream",
@@ -106,7 +107,7 @@ DESCRIPTIONS = {
     "sample_tokens": "tokens the end-of-run sample generates",
     "compilation_cache_dir": "JAX's persistent compilation cache (null: off)",
     "deterministic": "compile with XLA's xla_gpu_deterministic_ops and XLA's attention, so "
-    "that a single-GPU run repeats bit for bit (slower; not yet verified on a GPU)",
+    "that a single-GPU run repeats bit for bit (slower)",
     "mesh.data": "data-parallel size (-1: all remaining devices)",
     "mesh.fsdp": "parameter-sharding (FSDP) size (-1: all remaining devices)",
 }

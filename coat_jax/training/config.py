@@ -88,14 +88,17 @@ class TrainConfig:
       with stochastic rounding (``coat_jax.master``). An option, not a default: see
       docs/memory_options.md for its accuracy evidence.
     - ``kernels``: where coat_adamw's step and the FP8 ops' quantizers and fused non-linear ops
-      run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh; plain jnp elsewhere),
+      run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh, except the FP8 ops'
+      which ``fp8_kernels`` sends to XLA's fusions unless set; plain jnp elsewhere),
       ``xla`` (plain jnp), ``pallas`` (the kernels, an error where one cannot run) or
       ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
     - ``fp8_kernels``: ``kernels`` for the FP8 activation ops alone (quantizers and fused
-      non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s:
-      e.g. ``fp8_kernels: xla`` lets XLA fuse the quantization into its neighbours while
-      coat_adamw runs its Pallas kernel, for shapes where the separate Pallas kernels cost
-      more than they save. ``null``: as ``kernels``.
+      non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s.
+      ``null`` (the default): with ``kernels: auto`` the ops run as XLA's fusions of their jnp
+      references (XLA fuses the quantization into its neighbours) while coat_adamw runs its
+      Pallas kernel, the faster pairing in train.py's step at every measured size
+      (docs/bench_fp8_kernels.md); with any other ``kernels``, as ``kernels``.
+      ``fp8_kernels: pallas`` runs the Pallas kernels of the FP8 ops.
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
       ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept
@@ -129,11 +132,11 @@ class TrainConfig:
       without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
       collectives across devices are not covered. The model's attention then runs as XLA's
       (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by
-      default. On the H200 (JAX 0.11.2) with the XLA option the BF16 and COAT steps of a tiny
-      model failed to compile, the float32 step compiled (cause not located; an error of the
-      first step under this option is reported as one that names it); XLA's attention is a
-      likely way around it and has not run there yet
-      (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit`` is the check).
+      default. On the H200 (JAX 0.11.2) two runs of a tiny COAT model with it repeat bit for
+      bit (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With
+      cuDNN's attention the BF16 and COAT steps had failed to compile under the XLA option
+      (cause not located); an error of the first step under this option is reported as one
+      that names it.
       The CPU backend is deterministic without it. Why it exists: two H200 runs of BF16 seed 0
       of the ``scratch_code`` study, one session's code changes apart (none of them in BF16's
       step), ended 0.0048 apart in validation loss (docs/accuracy.md).

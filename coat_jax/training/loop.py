@@ -980,8 +980,9 @@ def _first_step_of(cfg: TrainConfig, step_fn, args, stop: GracefulStop):
         raise ValueError(
             f"the first training step failed to compile or run with deterministic=true (XLA's "
             f"xla_gpu_deterministic_ops): {type(e).__name__}: {str(e)[:300]}. Set "
-            "deterministic=false; on JAX 0.11.2 on an H200 BF16 steps failed to compile this "
-            "way, and the same step with compute_dtype=float32 compiled"
+            "deterministic=false; on JAX 0.11.2 on an H200 BF16 and COAT steps with cuDNN's "
+            "attention failed to compile this way, and the same step with "
+            "compute_dtype=float32 compiled"
         ) from e
 
 

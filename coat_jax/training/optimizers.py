@@ -94,13 +94,23 @@ def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransfor
     )
 
 
+# Where the FP8 activation ops run when ``fp8_kernels`` is unset and ``kernels`` is ``auto``:
+# XLA's fusions of the jnp references, which train.py's step ran at least as fast as the Pallas
+# kernels at every measured model size on the H200 (docs/bench_fp8_kernels.md).
+FP8_OPS_AUTO = "xla"
+
+
 def kernel_options(cfg: TrainConfig, *, fp8_ops: bool = False) -> dict:
     """``implementation`` and ``interpret`` of the kernels for ``cfg.kernels``; with
-    ``fp8_ops``, of the FP8 activation ops, which ``cfg.fp8_kernels`` overrides."""
+    ``fp8_ops``, of the FP8 activation ops: ``cfg.fp8_kernels`` where set, else
+    :data:`FP8_OPS_AUTO` for ``kernels: auto`` and ``kernels`` otherwise (``pallas`` and
+    ``interpret`` keep the Pallas kernels of every op)."""
     interpret = cfg.kernels == "interpret"
     implementation = "auto" if interpret else cfg.kernels
     if fp8_ops and cfg.fp8_kernels is not None:
         implementation = cfg.fp8_kernels
+    elif fp8_ops and cfg.kernels == "auto":
+        implementation = FP8_OPS_AUTO
     return dict(implementation=implementation, interpret=interpret)
 
 
