@@ -219,9 +219,9 @@ def gib(n: float | None) -> str:
     return "n/a" if n is None else f"{math.floor(n / GIB * 100) / 100:.2f}"
 
 
-def times(x: float) -> str:
-    """A ratio to three places, truncated: a published ratio is never rounded up."""
-    return f"{math.floor(x * 1000) / 1000:.3f}x"
+def times(x: float, places: int = 3) -> str:
+    """A ratio to ``places`` decimals, truncated: a published ratio is never rounded up."""
+    return f"{math.floor(x * 10**places) / 10**places:.{places}f}x"
 
 
 def ratio(a: float | None, b: float | None) -> str:

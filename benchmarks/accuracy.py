@@ -10,12 +10,14 @@ Each mode trains the same model on the same data in the same order (the trainer'
   coat_bf16m    precision=coat  optimizer=coat_adamw   master_dtype=bfloat16 (stochastic rounding)
   coat_inbwd    precision=coat  optimizer=coat_adamw   optimizer_in_backward=true grad_clip=null
   coat_e8m0     precision=coat  optimizer=coat_adamw   fp8_group_scale=e8m0 (1-byte 1x16 scales)
-  coat_xla      precision=coat  optimizer=coat_adamw   fp8_kernels=xla (FP8 ops as XLA fusions)
-  coat_pallas   precision=coat  optimizer=coat_adamw   fp8_kernels=pallas (as Pallas kernels)
+  coat_xla      precision=coat  optimizer=coat_adamw   fp8_kernels=xla (the trainer's default)
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
-or the non-linear ops. Validation text is held out by document (``val_documents``): it is never
-trained on.
+or the non-linear ops. The modes with FP8 activation ops other than coat_xla pin
+``fp8_kernels=auto`` (the Pallas kernels on a GPU), the setting of every run before the
+trainer's default became XLA's fusions, so each mode's rows hold one implementation; records
+written since name it (``fp8_ops_implementation``, ``backend``). Validation text is held out by
+document (``val_documents``): it is never trained on.
 
   python benchmarks/accuracy.py --tiny                       # CPU, minutes: every mode, 2 seeds
   python benchmarks/accuracy.py --setting scratch --modes coat --seeds 0,1,2 --out runs/acc
@@ -55,12 +57,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# Every mode with FP8 activation ops pins fp8_kernels=auto (the Pallas kernels on a GPU, the jnp
+# references on the CPU): the setting of every record before the trainer's default moved to XLA's
+# fusions (2026-12-03), so that a mode's rows stay one implementation. coat_xla is that default.
+_PALLAS_OPS = "fp8_kernels=auto"
 MODES = {
     "bf16": ["precision=bf16", "optimizer=adamw"],
-    "fp8": ["precision=fp8", "optimizer=adamw"],
+    "fp8": ["precision=fp8", "optimizer=adamw", _PALLAS_OPS],
     "bf16_coatopt": ["precision=bf16", "optimizer=coat_adamw"],
-    "coat": ["precision=coat", "optimizer=coat_adamw"],
-    "coat_bf16m": ["precision=coat", "optimizer=coat_adamw", "master_dtype=bfloat16"],
+    "coat": ["precision=coat", "optimizer=coat_adamw", _PALLAS_OPS],
+    "coat_bf16m": [
+        "precision=coat",
+        "optimizer=coat_adamw",
+        "master_dtype=bfloat16",
+        _PALLAS_OPS,
+    ],
     # The optimizer inside the backward pass, which cannot clip by the global norm: what changes
     # against "coat" is the clipping (the step is otherwise the same, tests/test_layerwise.py).
     "coat_inbwd": [
@@ -69,13 +80,12 @@ MODES = {
         "scan_layers=true",
         "optimizer_in_backward=true",
         "grad_clip=null",
+        _PALLAS_OPS,
     ],
     # The FP8 activations' 1x16 scales as powers of two in one byte (FP8Config.group_scale).
-    "coat_e8m0": ["precision=coat", "optimizer=coat_adamw", "fp8_group_scale=e8m0"],
-    # The FP8 activation ops as XLA's fusions of their jnp references, or as the Pallas kernels
-    # (the trainer's fp8_kernels), whichever the trainer's default is.
+    "coat_e8m0": ["precision=coat", "optimizer=coat_adamw", "fp8_group_scale=e8m0", _PALLAS_OPS],
+    # The FP8 activation ops as XLA's fusions of their jnp references: the trainer's default.
     "coat_xla": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=xla"],
-    "coat_pallas": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=pallas"],
 }
 MODE_TITLES = {
     "bf16": "BF16 + AdamW",
@@ -86,7 +96,6 @@ MODE_TITLES = {
     "coat_inbwd": "COAT + coat_adamw in the backward pass, no clipping",
     "coat_e8m0": "COAT + coat_adamw, one-byte (E8M0) activation scales",
     "coat_xla": "COAT + coat_adamw, FP8 activation ops as XLA fusions",
-    "coat_pallas": "COAT + coat_adamw, FP8 activation ops as Pallas kernels",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.
@@ -224,6 +233,7 @@ def run_mode(setting: str, mode: str, seeds: list[int], out: Path, args) -> list
     import jax
 
     from coat_jax.training import load_config, train
+    from coat_jax.training.optimizers import kernel_options
 
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -248,6 +258,11 @@ def run_mode(setting: str, mode: str, seeds: list[int], out: Path, args) -> list
             "wall_s": round(time.perf_counter() - started, 1),
             **read_run(Path(cfg.output_dir)),
             "device": jax.devices()[0].device_kind,
+            "backend": jax.default_backend(),
+            # auto: the Pallas kernels where one runs (a GPU), else the jnp references.
+            "fp8_ops_implementation": kernel_options(cfg, fp8_ops=True)["implementation"]
+            if cfg.precision != "bf16"
+            else None,
             "jax": jax.__version__,
             "date": datetime.date.today().isoformat(),
             "command": " ".join(["python", *sys.argv]),

@@ -32,6 +32,9 @@ from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
 
 from coat_jax import fp8_ops, llama  # noqa: E402
 from coat_jax.fp8_ops import ops_for  # noqa: E402
@@ -168,7 +171,7 @@ def main(argv=None):
         dtypes = ", ".join(f"{k} {v / unit:.3f}" for k, v in sorted(by_dtype.items()))
         lines.append(
             f"| {name} | {total / 2**30:.3f} GiB | {total / unit:.3f} | "
-            f"{bf16_bytes / total:.2f}x | {paper} | {dtypes} |"
+            f"{C.times(bf16_bytes / total, 2)} | {paper} | {dtypes} |"
         )
     lines += [
         "",
@@ -189,7 +192,7 @@ def main(argv=None):
     print(text)
     coat_u = results["coat"][0] / unit
     ratio = bf16_bytes / results["coat"][0]
-    print(f"target: coat <= 13.5U ({coat_u:.3f}U) and >= 1.6x less than bf16 ({ratio:.2f}x)")
+    print(f"target: coat <= 13.5U ({coat_u:.3f}U) and >= 1.6x less than bf16 ({C.times(ratio, 2)})")
     return 0 if coat_u <= 13.5 and ratio >= 1.6 else 1
 
 

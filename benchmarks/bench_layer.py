@@ -73,7 +73,8 @@ import _common as C  # noqa: E402
 MODES = ("bf16", "fp8", "coat")
 PAPER_U = {"bf16": 22.66, "fp8": 18.33, "coat": 13.33}  # COAT Table 2 (PyTorch, TE for fp8)
 WEIGHT_RESIDUALS = ("master", "fp8", "once")  # coat_jax.fp8_ops.WEIGHT_RESIDUALS (no JAX here)
-# The trainer's fp8_kernels option: "default" leaves it unset (the FP8 ops follow `kernels`).
+# The trainer's fp8_kernels option: "default" leaves it unset (with `kernels: auto` the FP8 ops
+# then run as XLA's fusions; before 2026-12-03 as the Pallas kernels).
 FP8_KERNELS = ("default", "auto", "xla", "pallas")
 # The optimizer of each mode's layer step, as train.py pairs them (docs/bench_e2e.md).
 MODE_OPTIMIZERS = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
@@ -536,7 +537,6 @@ def worker(args) -> None:
     mode, seq = args.worker, args.seq
     weight_residual = args.weight_residual if mode != "bf16" else "master"
     fp8_kernels = args.fp8_kernels if mode != "bf16" else "default"
-    label = _variant({"mode": mode, "weight_residual": weight_residual, "fp8_kernels": fp8_kernels})
     env = C.environment()
     # The trainer's own model with one decoder layer and the mode's optimizer: what train.py
     # runs, layer by layer.
@@ -560,7 +560,10 @@ def worker(args) -> None:
     tx = program.tx
     keys = {"mode": mode, "weight_residual": weight_residual, "fp8_kernels": fp8_kernels}
     # What the option resolved to: "default" follows the trainer's default, which has changed.
-    keys["fp8_ops_implementation"] = kernel_options(cfg, fp8_ops=True)["implementation"]
+    keys["fp8_ops_implementation"] = (
+        kernel_options(cfg, fp8_ops=True)["implementation"] if mode != "bf16" else None
+    )
+    label = _variant(keys)
 
     def apply(params, x_BTD, weight_residual=None):
         b, t = x_BTD.shape[:2]
@@ -748,12 +751,14 @@ def _mib(n: float | None) -> str:
 
 
 def _variant(r: dict) -> str:
-    """A record's mode with its weight residual and, when set, its FP8 kernels (``coat/master``,
-    ``coat/fp8``, ``coat/once/xla``; bf16 has neither)."""
+    """A record's mode with its weight residual and where its FP8 ops ran (``coat/once/xla``,
+    ``coat/once/pallas``; bf16 has neither). Records from before the runs named the resolved
+    implementation show the ``fp8_kernels`` option where one was set (``coat/once`` then ran the
+    Pallas kernels, the trainer's default of that time)."""
     if r["mode"] == "bf16":
         return "bf16"
     wr = r.get("weight_residual", "master")
-    kernels = r.get("fp8_kernels", "default")
+    kernels = r.get("fp8_ops_implementation") or r.get("fp8_kernels", "default")
     return f"{r['mode']}/{wr}" + ("" if kernels == "default" else f"/{kernels}")
 
 
@@ -843,9 +848,10 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
             "log-sum-exp). Mode `coat/fp8` is `coat` with `fp8_weight_residual=fp8` (forward's "
             "FP8 weight codes kept for backward, their bytes in `weight codes kept`), "
             "`coat/master` re-quantizes the float32 weights in backward, `coat/once` "
-            "quantizes each weight once per step (the trainer's default); a third part names "
-            "the trainer's `fp8_kernels` option where set (`coat/once/xla`: the FP8 activation "
-            "ops as XLA's fusions of their jnp references, `pallas`: the Pallas kernels). "
+            "quantizes each weight once per step (the trainer's default); a third part says "
+            "where the FP8 activation ops ran (`xla`: XLA's fusions of their jnp references, "
+            "the trainer's default; `pallas`: the Pallas kernels; `auto`: Pallas where one "
+            "runs). "
             "Kernels: launches of one step, counted in the "
             "compiled HLO (`kernel_counts`); memory columns are fwd+bwd's.",
             "",
@@ -945,7 +951,8 @@ def main(argv=None) -> None:
         "--fp8-kernels",
         default="default",
         help="comma-separated fp8_kernels options for the fp8 and coat modes (default: unset, "
-        "the FP8 ops follow `kernels`; xla: XLA's fusions of the jnp references; pallas)",
+        "the trainer's default, XLA's fusions with kernels=auto; xla: XLA's fusions of the jnp "
+        "references; pallas: the Pallas kernels; auto: Pallas where one runs)",
     )
     p.add_argument(
         "--optimizer",
@@ -1037,7 +1044,7 @@ def main(argv=None) -> None:
         )
         name = _variant(
             {"mode": mode, "weight_residual": weight_residual, "fp8_kernels": kernels}
-        ).replace("/", "_")
+        ).replace("/", "_")  # the option asked for; the records name what it resolved to
         rc = C.run_child(
             child,
             timeout_s=args.child_timeout_s,

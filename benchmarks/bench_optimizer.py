@@ -39,6 +39,9 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
 
 import coat_jax  # noqa: E402
 from coat_jax import quant  # noqa: E402
@@ -305,10 +308,10 @@ def markdown(meta, copy_bw, results, sweep_rows):
         bw = r["bytes_moved"] / r["median_s"]
         temp = r["temp_bytes"]
         lines.append(
-            f"| {r['name']} | {r['median_s'] * 1e3:.2f} | {r['median_s'] / base['median_s']:.2f}x "
+            f"| {r['name']} | {r['median_s'] * 1e3:.2f} | {C.times(r['median_s'] / base['median_s'], 2)} "
             f"| {r['bytes_moved'] / 1e9:.1f} | {r['bytes_moved'] / meta['n_params']:.2f} "
             f"| {bw / 1e12:.2f} | {100 * bw / bw_ref:.0f}% | {r['state_bytes'] / 1e9:.2f} "
-            f"| {r['state_bytes'] / base['state_bytes']:.3f}x "
+            f"| {C.times(r['state_bytes'] / base['state_bytes'])} "
             f"| {'' if temp is None else f'{temp / 1e9:.2f}'} |"
         )
     if sweep_rows:

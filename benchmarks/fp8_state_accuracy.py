@@ -26,9 +26,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import dataclasses  # noqa: E402
 
+import _common as C  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -98,7 +100,7 @@ def state_bytes_table() -> str:
             per[fp8] = (quant.state_bytes(state) / n, len(quantized_paths(state)) if fp8 else 0)
         lines.append(
             f"| {opt} | {per[False][0]:.4f} | {per[True][0]:.4f} | "
-            f"{per[False][0] / per[True][0]:.2f}x | {per[True][1]} |"
+            f"{C.times(per[False][0] / per[True][0], 2)} | {per[True][1]} |"
         )
     cfg = dataclasses.replace(base, optimizer="coat_adamw")
     state = jax.eval_shape(optimizers.make_optimizer(cfg, loop.make_schedule(cfg)).init, params)

@@ -214,3 +214,15 @@ def test_scratch_code_is_scratch_for_100m_tokens():
     assert spec["val_documents"].split(",") == accuracy.CODE_HELD_OUT
     keys = [o.split("=", 1)[0] for o in accuracy.SETTINGS["scratch_code"]["overrides"]]
     assert len(keys) == len(set(keys))  # no override given twice
+
+
+def test_every_fp8_mode_pins_its_fp8_kernels():
+    """A mode's rows must hold one implementation of the FP8 activation ops, whatever the
+    trainer's default for them: each mode with FP8 ops names ``fp8_kernels`` itself."""
+    for mode, overrides in accuracy.MODES.items():
+        if "precision=bf16" in overrides:
+            assert not any(o.startswith("fp8_kernels=") for o in overrides), mode
+        else:
+            assert sum(o.startswith("fp8_kernels=") for o in overrides) == 1, mode
+    assert "fp8_kernels=xla" in accuracy.MODES["coat_xla"]
+    assert "fp8_kernels=auto" in accuracy.MODES["coat"]

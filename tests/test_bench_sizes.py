@@ -224,3 +224,10 @@ def test_tiny_sweep_on_cpu(tmp_path):
     again = tmp_path / "again.md"
     S.main(["--report-only", f"--out-dir={out}", f"--docs={again}"])
     assert again.read_text() == text
+
+
+def test_published_ratios_and_gib_are_truncated_never_rounded_up():
+    assert C.times(1.0838) == "1.083x" and C.times(0.99999) == "0.999x"
+    assert C.times(4.9199, 2) == "4.91x" and C.times(2.0, 2) == "2.00x"
+    assert C.ratio(17435.5, 13638.8) == "1.278x" and C.ratio(0, 1) == "n/a"
+    assert C.gib(76.6699 * 2**30) == "76.66" and C.gib(None) == "n/a"

@@ -42,8 +42,8 @@ DESCRIPTIONS = {
     "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh; the FP8 ops: see "
     "fp8_kernels); xla: jnp; pallas; "
     "interpret: auto in Pallas interpret mode (CPU tests, slow)",
-    "fp8_kernels": "kernels for the FP8 activation ops alone (auto, xla, pallas; null: xla "
-    "with kernels=auto, else as kernels), the optimizer keeping kernels'",
+    "fp8_kernels": "kernels for the FP8 activation ops alone (auto: Pallas where one runs; "
+    "xla; pallas; null: xla with kernels=auto, else as kernels), the optimizer keeping kernels'",
     "init_from": "HF/coat-jax folder or .gguf to start from (pkg:PACKAGE/FILE looks in a package)",
     "model.vocab_size": "vocabulary size (at least the tokenizer's)",
     "model.hidden_size": "width of the residual stream",

@@ -96,9 +96,10 @@ class TrainConfig:
       non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s.
       ``null`` (the default): with ``kernels: auto`` the ops run as XLA's fusions of their jnp
       references (XLA fuses the quantization into its neighbours) while coat_adamw runs its
-      Pallas kernel, the faster pairing in train.py's step at every measured size
+      Pallas kernel, a pairing at least as fast in train.py's step at every measured size
       (docs/bench_fp8_kernels.md); with any other ``kernels``, as ``kernels``.
-      ``fp8_kernels: pallas`` runs the Pallas kernels of the FP8 ops.
+      ``fp8_kernels: pallas`` runs the Pallas kernels of the FP8 ops, ``auto`` the Pallas
+      kernels where one runs (a GPU) and the references elsewhere.
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
       ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept

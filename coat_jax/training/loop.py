@@ -109,8 +109,9 @@ def _split_params(model) -> tuple[Any, Any]:
 def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelDef:
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
-    ``cfg.kernels`` (or ``cfg.fp8_kernels``) picks where the FP8 ops run; with ``mesh`` (a
-    program on several devices) their Pallas kernels run on each shard
+    ``cfg.fp8_kernels`` (unset: XLA's fusions with ``kernels: auto``, else as ``cfg.kernels``;
+    ``optimizers.kernel_options``) picks where the FP8 ops run; with ``mesh`` (a program on
+    several devices) their Pallas kernels, where chosen, run on each shard
     (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes, weights as
     the trainer's FSDP rule places them.
     """
