@@ -11,9 +11,10 @@ Each mode trains the same model on the same data in the same order (the trainer'
   coat_inbwd    precision=coat  optimizer=coat_adamw   optimizer_in_backward=true grad_clip=null
   coat_e8m0     precision=coat  optimizer=coat_adamw   fp8_group_scale=e8m0 (1-byte 1x16 scales)
   coat_xla      precision=coat  optimizer=coat_adamw   fp8_kernels=xla (the trainer's default)
+  coat_swiglu   precision=coat  optimizer=coat_adamw   fp8_kernels=xla fp8_swiglu=fused
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
-or the non-linear ops. The modes with FP8 activation ops other than coat_xla pin
+or the non-linear ops. The modes with FP8 activation ops other than coat_xla and coat_swiglu pin
 ``fp8_kernels=auto`` (the Pallas kernels on a GPU), the setting of every run before the
 trainer's default became XLA's fusions, so each mode's rows hold one implementation; records
 written since name it (``fp8_ops_implementation``, ``backend``). Validation text is held out by
@@ -86,6 +87,13 @@ MODES = {
     "coat_e8m0": ["precision=coat", "optimizer=coat_adamw", "fp8_group_scale=e8m0", _PALLAS_OPS],
     # The FP8 activation ops as XLA's fusions of their jnp references: the trainer's default.
     "coat_xla": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=xla"],
+    # The MLP's SiLU and product as one FP8 op keeping gate and up only (FP8Config.swiglu).
+    "coat_swiglu": [
+        "precision=coat",
+        "optimizer=coat_adamw",
+        "fp8_kernels=xla",
+        "fp8_swiglu=fused",
+    ],
 }
 MODE_TITLES = {
     "bf16": "BF16 + AdamW",
@@ -96,6 +104,7 @@ MODE_TITLES = {
     "coat_inbwd": "COAT + coat_adamw in the backward pass, no clipping",
     "coat_e8m0": "COAT + coat_adamw, one-byte (E8M0) activation scales",
     "coat_xla": "COAT + coat_adamw, FP8 activation ops as XLA fusions",
+    "coat_swiglu": "COAT + coat_adamw, fused FP8 SwiGLU (XLA fusions)",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.

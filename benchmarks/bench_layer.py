@@ -677,10 +677,18 @@ def worker(args) -> None:
             f"custom calls {calls}",
             flush=True,
         )
+        _dump_hlo(args, hlo, label, "fwd_bwd", batch)
         if not args.optimizer and args.profile_reps:
             # After the allocator's peak was read: the profiler's buffers do not count in it.
             rec["split"] = measure_split(
-                call, args.profile_reps, hlo, timing["median_s"], "fwd_bwd", label, batch
+                call,
+                args.profile_reps,
+                hlo,
+                timing["median_s"],
+                "fwd_bwd",
+                label,
+                batch,
+                top=args.top_kernels,
             )
         C.append_jsonl(args.jsonl, rec)
         done.append(batch)
@@ -738,12 +746,31 @@ def worker(args) -> None:
             f"kernels by HLO category {rec['hlo_categories']}",
             flush=True,
         )
+        _dump_hlo(args, hlo, label, "layer_step", batch)
         if args.profile_reps:
             rec["split"] = measure_split(
-                call, args.profile_reps, hlo, timing["median_s"], "layer_step", label, batch
+                call,
+                args.profile_reps,
+                hlo,
+                timing["median_s"],
+                "layer_step",
+                label,
+                batch,
+                top=args.top_kernels,
             )
         C.append_jsonl(args.jsonl, rec)
         del state, layer, call  # before the next batch's copies are made
+
+
+def _dump_hlo(args, hlo: str, label: str, program: str, batch: int) -> None:
+    """Writes a compiled program's optimized HLO under ``--hlo-dir`` (when given), to read
+    what each traced kernel (its ``hlo_op``) computes."""
+    if not args.hlo_dir:
+        return
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    name = f"{label.replace('/', '_')}_{program}_b{batch}.hlo.txt"
+    with open(os.path.join(args.hlo_dir, name), "w") as f:
+        f.write(hlo)
 
 
 def _mib(n: float | None) -> str:
@@ -968,6 +995,18 @@ def main(argv=None) -> None:
         help="steps traced by jax.profiler for the time split of the layer step (of fwd+bwd "
         "with --no-optimizer); 0: no split",
     )
+    p.add_argument(
+        "--top-kernels",
+        type=int,
+        default=TOP_KERNELS,
+        help="how many kernels the time split lists, longest total time first",
+    )
+    p.add_argument(
+        "--hlo-dir",
+        default=None,
+        help="write each compiled program's optimized HLO text here (one file per variant, "
+        "program and batch)",
+    )
     p.add_argument("--child-timeout-s", type=float, default=240.0)
     p.add_argument("--out-dir", default="runs/bench_layer")
     p.add_argument("--docs", default=None)
@@ -988,6 +1027,8 @@ def main(argv=None) -> None:
         raise ValueError(f"--batches must be comma-separated ints, got {args.batches!r}") from None
     if any(b <= 0 for b in args.batches):
         raise ValueError(f"--batches must be positive, got {args.batches}")
+    if args.top_kernels < 1:
+        raise ValueError(f"--top-kernels must be >= 1, got {args.top_kernels}")
     if args.profile_reps < 0:
         raise ValueError(f"--profile-reps must be >= 0 (0: no time split), got {args.profile_reps}")
     weight_residuals = [w.strip() for w in args.weight_residual.split(",") if w.strip()]
@@ -1037,6 +1078,8 @@ def main(argv=None) -> None:
                 f"--weight-residual={weight_residual}",
                 f"--fp8-kernels={kernels}",
                 f"--profile-reps={args.profile_reps}",
+                f"--top-kernels={args.top_kernels}",
+                *([f"--hlo-dir={args.hlo_dir}"] if args.hlo_dir else []),
                 "--optimizer" if args.optimizer else "--no-optimizer",
             ]
             + (["--tiny"] if args.tiny else [])

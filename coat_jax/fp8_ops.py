@@ -20,7 +20,8 @@ op                  saved for backward                          format
 ==================  ==========================================  ================================
 
 ``fp8_swiglu`` and ``fp8_attention`` go beyond COAT (which keeps the SiLU output, and BF16 q, k,
-v); :func:`ops_for` does not use them, a model opts in.
+v); a model opts in: :func:`ops_for` gives ``fp8_swiglu`` as its ``swiglu`` op with
+``FP8Config(swiglu="fused")``, and ``Llama(fp8_attention=True)`` takes ``fp8_attention``.
 
 FP8 linear: input and weight are quantized to E4M3 with per-tensor scales computed just in time
 by group scaling; the forward GEMM is written as ``dot(convert(x_fp8) * s_x, convert(w_fp8) *
@@ -84,6 +85,9 @@ WEIGHT = "fp8_weight"
 WEIGHT_RESIDUALS = ("master", "fp8", "once")
 # Attention's kernel: "auto" is cuDNN's fused attention on a GPU in BF16, XLA's elsewhere.
 ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")
+# The MLP's SiLU and product in the coat precision (``FP8Config.swiglu``): "coat" as COAT, one
+# op each (three 1xG tensors kept), "fused" one ``fp8_swiglu`` (two kept).
+SWIGLU_OPS = ("coat", "fused")
 
 
 def keep(tree):
@@ -144,6 +148,12 @@ class FP8Config:
         ``xla_gpu_deterministic_ops`` while the float32 step, on XLA's attention, compiled;
         the cause is not located, and that XLA's attention avoids it is not verified there); ``"cudnn"``
         cuDNN's (GPU only).
+      swiglu: the MLP's ``silu(gate) * up`` in the ``coat`` precision (:func:`ops_for`'s
+        ``swiglu`` op). ``"coat"`` (default, COAT): ``fp8_silu`` then ``fp8_mul``, keeping
+        gate, the SiLU output and up in FP8 (three intermediate-size tensors). ``"fused"``: one
+        :func:`fp8_swiglu`, keeping gate and up only and recomputing the SiLU in backward from
+        the FP8 gate: one intermediate-size FP8 tensor (and its scales) less per layer, and
+        one quantization less each way. Beyond COAT (docs/memory_options.md, "Fused SwiGLU").
     """
 
     act_format: str = "e4m3"
@@ -157,6 +167,7 @@ class FP8Config:
     weight_residual: str = "master"
     group_scale: str = "float32"
     attention: str = "auto"
+    swiglu: str = "coat"
 
     def __post_init__(self):
         if self.gemm_dequant not in GEMM_DEQUANT:
@@ -179,6 +190,12 @@ class FP8Config:
             raise ValueError(
                 f"attention={self.attention!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}: "
                 "'auto' runs cuDNN's fused attention on a GPU in BF16, 'xla' XLA's everywhere"
+            )
+        if self.swiglu not in SWIGLU_OPS:
+            raise ValueError(
+                f"swiglu={self.swiglu!r} is not one of {list(SWIGLU_OPS)}: 'coat' runs the SiLU "
+                "and the product as two FP8 ops (three FP8 tensors kept), 'fused' one fp8_swiglu "
+                "(two kept, SiLU recomputed in backward)"
             )
         quant.fp8_format(self.act_format)
         quant.fp8_format(self.grad_format)
@@ -792,6 +809,9 @@ observed_rmsnorm = _observed(
 )
 observed_silu = _observed(fp8_silu, _fp8_silu_fwd, _fp8_silu_bwd, lambda r: (r.scale,))
 observed_mul = _observed(fp8_mul, _fp8_mul_fwd, _fp8_mul_bwd, lambda r: (r[0].scale, r[1].scale))
+observed_swiglu = _observed(
+    fp8_swiglu, _fp8_swiglu_fwd, _fp8_swiglu_bwd, lambda r: (r[0].scale, r[1].scale)
+)
 observed_attention = _observed(
     fp8_attention, _fp8_attention_fwd, _fp8_attention_bwd, lambda r: tuple(t.scale for t in r)
 )
@@ -820,7 +840,7 @@ class ScaleRecorder:
 
     ``linear``: the per-tensor scale of each FP8 linear's input (a float32 scalar); ``group``:
     the 1xG scales of each tensor a non-linear op keeps (``fp8_rmsnorm``'s input, ``fp8_silu``'s,
-    both of ``fp8_mul``'s, ``fp8_attention``'s q, k and v). Both as the ops computed them: the
+    both of ``fp8_mul``'s or of ``fp8_swiglu``'s, ``fp8_attention``'s q, k and v). Both as the ops computed them: the
     ops return them beside their outputs (``observed_*``), so nothing is quantized twice.
 
     A recorder lives within one trace (a layer's body under ``jax.checkpoint`` or ``scan``):
@@ -934,6 +954,12 @@ class OpSet(NamedTuple):
     add: Callable[[jax.Array, jax.Array], jax.Array]
     # Causal attention ``(q, k, v) -> out``; None: the model's own (BF16, cuDNN on a GPU).
     attention: Callable | None = None
+    # ``(gate, up) -> silu(gate) * up`` as one op; None: ``mul(silu(gate), up)``.
+    swiglu: Callable | None = None
+
+    def silu_mul(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """``silu(gate) * up``: the fused op where the set has one, else the SiLU and product."""
+        return self.mul(self.silu(gate), up) if self.swiglu is None else self.swiglu(gate, up)
 
 
 def ops_for(
@@ -944,7 +970,8 @@ def ops_for(
     Args:
       precision: ``"bf16"`` (plain jnp with XLA autodiff: the baseline), ``"fp8"`` (FP8 linear
         layers only, TransformerEngine-style) or ``"coat"`` (COAT's full precision flow).
-      config: static FP8 settings for the FP8 ops.
+      config: static FP8 settings for the FP8 ops (with ``swiglu="fused"`` the coat set's
+        ``swiglu`` is :func:`fp8_swiglu`).
       recorder: a :class:`ScaleRecorder` that the FP8 ops hand the scales they quantize with
         (the activation telemetry). The ops are then the ``observed_*`` variants: the same
         forward and backward, the same results. ``None``: the plain FP8 ops.
@@ -966,6 +993,7 @@ def ops_for(
     fp8_lin = functools.partial(_linear_with_config, config=config)
     if precision == "fp8":
         return plain._replace(linear=fp8_lin)
+    fused = config.swiglu == "fused"
     return OpSet(
         precision,
         linear=fp8_lin,
@@ -973,6 +1001,7 @@ def ops_for(
         silu=functools.partial(_silu_with_config, config=config),
         mul=functools.partial(_mul_with_config, config=config),
         add=fp8_add,
+        swiglu=functools.partial(_swiglu_with_config, config=config) if fused else None,
     )
 
 
@@ -1000,9 +1029,17 @@ def _recording_ops(plain: OpSet, precision: str, config: FP8Config, recorder) ->
         recorder.record_group(scales)
         return y
 
+    def swiglu(gate, up):
+        y, scales = observed_swiglu(gate, up, config)
+        recorder.record_group(scales)
+        return y
+
     if precision == "fp8":
         return plain._replace(linear=linear)
-    return OpSet(precision, linear=linear, rmsnorm=rmsnorm, silu=silu, mul=mul, add=fp8_add)
+    fused = swiglu if config.swiglu == "fused" else None
+    return OpSet(
+        precision, linear=linear, rmsnorm=rmsnorm, silu=silu, mul=mul, add=fp8_add, swiglu=fused
+    )
 
 
 def recorded_attention(config: FP8Config, recorder: ScaleRecorder):
@@ -1031,3 +1068,7 @@ def _silu_with_config(x, *, config):
 
 def _mul_with_config(a, b, *, config):
     return fp8_mul(a, b, config)
+
+
+def _swiglu_with_config(gate, up, *, config):
+    return fp8_swiglu(gate, up, config)

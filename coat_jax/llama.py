@@ -441,24 +441,29 @@ class MLP(nnx.Module):
     def __call__(self, x_BTD, ops, codes=None):
         gate_BTF, up_BTF = ops.linear(x_BTD, _linear_weights(self, ("gate_proj", "up_proj"), codes))
         down = _linear_weights(self, ("down_proj",), codes)
-        return ops.linear(ops.mul(ops.silu(gate_BTF), up_BTF), down)
+        return ops.linear(ops.silu_mul(gate_BTF, up_BTF), down)
 
 
 # What a decoder layer's FP8 ops quantize, in the order the layer calls them (the indices of the
 # activation telemetry, docs/telemetry.md; tests/test_act_telemetry.py checks the order): the
 # inputs of its linears (per-tensor scales), and the tensors its non-linear ops keep for
 # backward (1xG scales): the residual stream into each RMSNorm, the gate projection into SiLU,
-# SiLU's output and the up projection into the product; with fp8_attention q, k and v too.
+# SiLU's output and the up projection into the product (with FP8Config(swiglu="fused"): gate
+# and up into the fused SwiGLU); with fp8_attention q, k and v too.
 LINEAR_INPUTS = ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up", "mlp.down_proj")
 ATTENTION_INPUTS = ("self_attn.q", "self_attn.k", "self_attn.v")
 
 
-def group_scaled(precision: str, fp8_attention: bool) -> tuple[str, ...]:
-    """The 1xG-scaled tensors a decoder layer keeps, in call order (:data:`LINEAR_INPUTS`)."""
+def group_scaled(precision: str, fp8_attention: bool, swiglu: str = "coat") -> tuple[str, ...]:
+    """The 1xG-scaled tensors a decoder layer keeps, in call order (:data:`LINEAR_INPUTS`);
+    ``swiglu`` is ``FP8Config.swiglu``."""
     attention = ATTENTION_INPUTS if fp8_attention else ()
     if precision != "coat":
         return attention
-    mlp = ("post_attention_layernorm", "mlp.silu", "mlp.mul_silu", "mlp.mul_up")
+    if swiglu == "fused":
+        mlp = ("post_attention_layernorm", "mlp.swiglu_gate", "mlp.swiglu_up")
+    else:
+        mlp = ("post_attention_layernorm", "mlp.silu", "mlp.mul_silu", "mlp.mul_up")
     return ("input_layernorm", *attention, *mlp)
 
 
@@ -741,7 +746,9 @@ class Llama(nnx.Module):
         fp8 = self.precision != "bf16"
         return {
             "linear": LINEAR_INPUTS if fp8 else (),
-            "group": group_scaled(self.precision, self.fp8_attention) if fp8 else (),
+            "group": group_scaled(self.precision, self.fp8_attention, self.fp8_config.swiglu)
+            if fp8
+            else (),
             "norm": ("norm",) if self.precision == "coat" else (),
         }
 

@@ -226,3 +226,5 @@ def test_every_fp8_mode_pins_its_fp8_kernels():
             assert sum(o.startswith("fp8_kernels=") for o in overrides) == 1, mode
     assert "fp8_kernels=xla" in accuracy.MODES["coat_xla"]
     assert "fp8_kernels=auto" in accuracy.MODES["coat"]
+    assert "fp8_swiglu=fused" in accuracy.MODES["coat_swiglu"]
+    assert all(m in accuracy.MODE_TITLES for m in accuracy.MODES)

@@ -96,6 +96,7 @@ def captured_scales(model_def, params, tokens_BT1, monkeypatch):
     capture("observed_rmsnorm", fp8_ops.observed_rmsnorm, 1)
     capture("observed_silu", fp8_ops.observed_silu, 1)
     capture("observed_mul", fp8_ops.observed_mul, 2)
+    capture("observed_swiglu", fp8_ops.observed_swiglu, 2)
     capture("observed_attention", fp8_ops.observed_attention, 3)
 
     @jax.jit
@@ -137,9 +138,10 @@ def group_summary(x, config: fp8_ops.FP8Config):
     [
         ["precision=coat"],
         ["precision=coat", "fp8_attention=true", "fp8_group_scale=e8m0"],
+        ["precision=coat", "fp8_swiglu=fused"],
         ["precision=fp8"],
     ],
-    ids=["coat", "coat-fp8attn-e8m0", "fp8"],
+    ids=["coat", "coat-fp8attn-e8m0", "coat-fused-swiglu", "fp8"],
 )
 def test_the_scales_are_the_quantizers_scales_of_the_captured_activations(extra, monkeypatch):
     cfg, model_def, params = model_and_params(*extra)
@@ -181,6 +183,7 @@ def _call_order(captured, group_names, num_layers, *, has_norm):
     norms = [x for (x,) in captured.get("observed_rmsnorm", [])]
     silu = [x for (x,) in captured.get("observed_silu", [])]
     mul = captured.get("observed_mul", [])
+    swiglu = captured.get("observed_swiglu", [])
     attention = captured.get("observed_attention", [])
     by_name = {
         "input_layernorm": lambda layer: norms[2 * layer],
@@ -188,6 +191,8 @@ def _call_order(captured, group_names, num_layers, *, has_norm):
         "mlp.silu": lambda layer: silu[layer],
         "mlp.mul_silu": lambda layer: mul[layer][0],
         "mlp.mul_up": lambda layer: mul[layer][1],
+        "mlp.swiglu_gate": lambda layer: swiglu[layer][0],
+        "mlp.swiglu_up": lambda layer: swiglu[layer][1],
         "self_attn.q": lambda layer: attention[layer][0],
         "self_attn.k": lambda layer: attention[layer][1],
         "self_attn.v": lambda layer: attention[layer][2],

@@ -298,8 +298,15 @@ def test_tiny_run_on_the_cpu(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_layer.py"), "--tiny"]
     cmd += ["--modes", "bf16,coat", "--reps", "1", "--warmup", "1", "--profile-reps", "1"]
     cmd += ["--out-dir", str(out), "--docs", str(docs), "--no-child-logs"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    hlo_dir = tmp_path / "hlo"
+    run = [*cmd, "--hlo-dir", str(hlo_dir), "--top-kernels", "50"]
+    proc = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Each variant's two compiled programs, as HLO text with the program's entry computation.
+    dumps = sorted(p.name for p in hlo_dir.iterdir())
+    assert len(dumps) == 4 and all(n.endswith("_b2.hlo.txt") for n in dumps), dumps
+    assert {n.split("_")[0] for n in dumps} == {"bf16", "coat"}
+    assert all("ENTRY" in (hlo_dir / n).read_text() for n in dumps)
     records = [json.loads(line) for line in (out / "layer.jsonl").read_text().splitlines()]
     layer = {r["mode"]: r for r in records if r["kind"] == "layer"}
     step = {r["mode"]: r for r in records if r["kind"] == "layer_step"}
@@ -346,3 +353,5 @@ def test_variant_names_the_fp8_kernels_only_where_set():
     assert B._variant(resolved) == "coat/once/pallas"
     with pytest.raises(ValueError, match="--fp8-kernels must be"):
         B.main(["--tiny", "--fp8-kernels", "triton", "--out-dir", "unused"])
+    with pytest.raises(ValueError, match="--top-kernels must be >= 1"):
+        B.main(["--tiny", "--top-kernels", "0", "--out-dir", "unused"])

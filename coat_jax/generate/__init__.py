@@ -86,7 +86,7 @@ def _forward(weights, config: LlamaConfig, dtype, ids_BT, positions_BT, cache, s
         h_BTD = ops.rmsnorm(x_BTD, w["post_attention_layernorm"]["weight"], eps)
         mlp = w["mlp"]
         gate_BTF, up_BTF = ops.linear(h_BTD, (mlp["gate_proj"], mlp["up_proj"]))
-        x_BTD = ops.add(x_BTD, ops.linear(ops.mul(ops.silu(gate_BTF), up_BTF), mlp["down_proj"]))
+        x_BTD = ops.add(x_BTD, ops.linear(ops.silu_mul(gate_BTF, up_BTF), mlp["down_proj"]))
         return (x_BTD, k_cache, v_cache, i + 1), None
 
     (x_BTD, k_cache, v_cache, _), _ = jax.lax.scan(

@@ -37,6 +37,8 @@ DESCRIPTIONS = {
         "master: forward and backward quantize, nothing kept; fp8: keeps forward's FP8 codes"
     ),
     "fp8_group_scale": "1x16 activation scales: float32 (COAT) or e8m0 (power of two, 1 byte)",
+    "fp8_swiglu": "coat: FP8 SiLU and product ops (COAT); fused: one FP8 SwiGLU keeping gate "
+    "and up only (precision coat)",
     "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
     "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh; the FP8 ops: see "

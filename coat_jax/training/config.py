@@ -83,6 +83,10 @@ class TrainConfig:
     - ``fp8_group_scale``: how the 1xG scales of the FP8 activations kept for backward are
       stored (``FP8Config.group_scale``): ``float32`` (COAT) or ``e8m0`` (power-of-two scales
       in one byte; precision ``coat``, or ``fp8`` with ``fp8_attention``; docs/memory_options.md).
+    - ``fp8_swiglu``: the MLP's SiLU and product in precision ``coat`` (``FP8Config.swiglu``):
+      ``coat`` (default, COAT: two FP8 ops keeping gate, the SiLU output and up) or ``fused``
+      (one op keeping gate and up, the SiLU recomputed in backward: one intermediate-size FP8
+      tensor less per layer; docs/memory_options.md, "Fused SwiGLU").
     - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
       and their gradients; the optimizer still computes in float32 and each update is applied
       with stochastic rounding (``coat_jax.master``). An option, not a default: see
@@ -164,6 +168,7 @@ class TrainConfig:
     fp8_attention: bool = False
     fp8_weight_residual: Literal["master", "fp8", "once"] = "once"
     fp8_group_scale: Literal["float32", "e8m0"] = "float32"
+    fp8_swiglu: Literal["coat", "fused"] = "coat"
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
@@ -276,6 +281,12 @@ class TrainConfig:
                 f"activations, and precision={self.precision} with fp8_attention="
                 f"{str(self.fp8_attention).lower()} keeps none; use precision=coat (or fp8 "
                 "with fp8_attention=true), or set fp8_group_scale=float32"
+            )
+        if self.fp8_swiglu != "coat" and self.precision != "coat":
+            raise ValueError(
+                f"fp8_swiglu={self.fp8_swiglu} changes the FP8 SiLU and product of precision "
+                f"coat, and precision={self.precision} runs them in BF16; use precision=coat, "
+                "or set fp8_swiglu=coat"
             )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")

@@ -1,0 +1,134 @@
+"""The fused SwiGLU of the coat precision: ``FP8Config(swiglu="fused")``, trainer ``fp8_swiglu``.
+
+COAT runs the MLP's ``silu(gate) * up`` as two FP8 ops and keeps gate, the SiLU output and up
+in FP8 for backward; the fused op keeps gate and up and recomputes the SiLU in backward. Here:
+what the model then keeps (exactly one intermediate-size FP8 tensor and its scales less per
+layer), that its forward and gradients stay as close to BF16 as COAT's, and the trainer option.
+The op against its references is in tests/test_fp8_ops.py and tests/test_pallas_act.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax.fp8_ops import FP8Config, ops_for
+from coat_jax.llama import Llama, LlamaConfig
+from coat_jax.memory import residuals
+from coat_jax.training import load_config
+from coat_jax.training.loop import build_program, next_token_loss, train
+from tests.tiny_runs import tiny_run
+
+CFG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+B, T = 2, 32
+
+
+def _model(swiglu: str, precision: str = "coat") -> Llama:
+    from flax import nnx
+
+    config = FP8Config(implementation="xla", swiglu=swiglu)
+    return Llama(CFG, precision=precision, fp8_config=config, rngs=nnx.Rngs(0))
+
+
+def _loss_fn(model):
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    def loss(state, ids):
+        logits = nnx.merge(graphdef, state)(ids[:, :-1]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    return loss, state
+
+
+IDS = jax.random.randint(jax.random.key(1), (B, T + 1), 0, CFG.vocab_size, jnp.int32)
+
+
+def test_ops_for_gives_the_fused_op_only_when_asked():
+    assert ops_for("coat", FP8Config(implementation="xla")).swiglu is None
+    assert ops_for("coat", FP8Config(implementation="xla", swiglu="fused")).swiglu is not None
+    # The bf16 and fp8 precisions run the SiLU and the product in BF16 whatever the option.
+    for precision in ("bf16", "fp8"):
+        assert ops_for(precision, FP8Config(implementation="xla", swiglu="fused")).swiglu is None
+    with pytest.raises(ValueError, match="swiglu='silu' is not one of"):
+        FP8Config(swiglu="silu")
+
+
+def test_keeps_one_intermediate_fp8_tensor_less_per_layer():
+    kept = {}
+    for swiglu in ("coat", "fused"):
+        loss, state = _loss_fn(_model(swiglu))
+        kept[swiglu] = [
+            r for r in residuals(loss, state, IDS, param_argnums=(0,)) if r.is_activation
+        ]
+    fp8 = lambda rs, n: [r for r in rs if r.dtype.itemsize == 1 and r.shape[-1] == n]
+    f = CFG.intermediate_size
+    layers = CFG.num_hidden_layers
+    # COAT: gate (SiLU's input), the SiLU output and up (the product's inputs); fused: gate,
+    # up. Both: down_proj's per-tensor input.
+    assert len(fp8(kept["coat"], f)) == 4 * layers
+    assert len(fp8(kept["fused"], f)) == 3 * layers
+    saved = sum(r.nbytes for r in kept["coat"]) - sum(r.nbytes for r in kept["fused"])
+    # Per layer one [B, T, F] tensor of E4M3 codes and its float32 1x16 scales.
+    assert saved == layers * B * T * f * (1 + 4 / 16)
+
+
+def test_forward_and_gradients_stay_as_close_to_bf16_as_coats():
+    loss_bf16, state = _loss_fn(_model("coat", precision="bf16"))
+    grad = lambda loss, state: jax.jit(jax.value_and_grad(loss))(state, IDS)
+    ref_loss, ref_grads = grad(loss_bf16, state)
+    flat = lambda g: np.concatenate(
+        [np.ravel(np.asarray(a, np.float32)) for a in jax.tree.leaves(g)]
+    )
+    dist = {}
+    for swiglu in ("coat", "fused"):
+        loss, state = _loss_fn(_model(swiglu))  # the same seed: the same weights
+        value, grads = grad(loss, state)
+        assert abs(float(value) - float(ref_loss)) < 0.02 * abs(float(ref_loss))
+        dist[swiglu] = np.linalg.norm(flat(grads) - flat(ref_grads)) / np.linalg.norm(
+            flat(ref_grads)
+        )
+    # One FP8 rounding fewer (the SiLU output's): no further from BF16 than COAT, up to noise.
+    assert 0 < dist["fused"] < 0.1 and dist["fused"] < 1.5 * dist["coat"], dist
+
+
+def test_trainer_option(tmp_path):
+    overrides = [*tiny_run(layers=1), "steps=4", "kernels=xla", f"output_dir={tmp_path}/r"]
+    cfg = load_config(None, [*overrides, "fp8_swiglu=fused"])
+    program = build_program(cfg, cfg.model)
+    model = program.model_def.bind(program.abstract_params)
+    assert model.fp8_config.swiglu == "fused"  # the option reaches the model's FP8 ops
+    assert model.activation_names()["group"][-2:] == ("mlp.swiglu_gate", "mlp.swiglu_up")
+    tokens = jax.ShapeDtypeStruct((2, cfg.seq_len + 1), jnp.int32)
+    count = lambda c: sum(
+        r.dtype.itemsize == 1 and r.shape[-1] == c.model.intermediate_size
+        for r in residuals(
+            lambda p, t: next_token_loss(build_program(c, c.model).model_def, p, t),
+            program.abstract_params,
+            tokens,
+        )
+    )
+    coat = dataclasses.replace(cfg, fp8_swiglu="coat")
+    # One layer: the SiLU output's FP8 copy less (gate, up, down_proj's input and the weight
+    # codes of gate_proj and up_proj, whose last axis is the intermediate size too, remain).
+    assert count(coat) - count(cfg) == 1 and count(cfg) >= 3
+    result = train(cfg, say=lambda msg: None)
+    assert result.step == 4 and np.isfinite(result.val_loss)
+    for precision in ("bf16", "fp8"):
+        with pytest.raises(ValueError, match="fp8_swiglu=fused changes the FP8 SiLU"):
+            load_config(
+                None, [*overrides, f"precision={precision}", "optimizer=adamw", "fp8_swiglu=fused"]
+            )
