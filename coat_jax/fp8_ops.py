@@ -840,8 +840,9 @@ class ScaleRecorder:
 
     ``linear``: the per-tensor scale of each FP8 linear's input (a float32 scalar); ``group``:
     the 1xG scales of each tensor a non-linear op keeps (``fp8_rmsnorm``'s input, ``fp8_silu``'s,
-    both of ``fp8_mul``'s or of ``fp8_swiglu``'s, ``fp8_attention``'s q, k and v). Both as the ops computed them: the
-    ops return them beside their outputs (``observed_*``), so nothing is quantized twice.
+    both of ``fp8_mul``'s or of ``fp8_swiglu``'s, ``fp8_attention``'s q, k and v). Both as the
+    ops computed them: the ops return them beside their outputs (``observed_*``), so nothing is
+    quantized twice.
 
     A recorder lives within one trace (a layer's body under ``jax.checkpoint`` or ``scan``):
     :meth:`summary` turns what it holds into a few arrays that cross those boundaries.
