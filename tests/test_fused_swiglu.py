@@ -11,6 +11,7 @@ The op against its references is in tests/test_fp8_ops.py and tests/test_pallas_
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,44 +19,32 @@ import numpy as np
 import pytest
 
 from coat_jax.fp8_ops import FP8Config, ops_for
-from coat_jax.llama import Llama, LlamaConfig
 from coat_jax.memory import residuals
 from coat_jax.training import load_config
 from coat_jax.training.loop import build_program, next_token_loss, train
 from tests.tiny_runs import tiny_run
 
-CFG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-B, T = 2, 32
+B = 2
+# The trainer's tiny model (hidden 64, intermediate 160, 2 layers): the intermediate size is
+# apart from every other axis, so the intermediate-size residuals are found by their last axis.
+RUN = [*tiny_run(intermediate=160, batch_size=B), "kernels=xla", "compilation_cache_dir=null"]
 
 
-def _model(swiglu: str, precision: str = "coat") -> Llama:
-    from flax import nnx
-
-    config = FP8Config(implementation="xla", swiglu=swiglu)
-    return Llama(CFG, precision=precision, fp8_config=config, rngs=nnx.Rngs(0))
-
-
-def _loss_fn(model):
-    from flax import nnx
-
-    graphdef, state = nnx.split(model)
-
-    def loss(state, ids):
-        logits = nnx.merge(graphdef, state)(ids[:, :-1]).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
-
-    return loss, state
+@functools.cache
+def _program(swiglu: str, precision: str = "coat"):
+    """``(config, loss, params)``: the trainer's program for the option and its loss
+    ``(params, tokens) -> nats`` (``next_token_loss``), with the weights of seed 0 (the same
+    for every option)."""
+    extra = ["optimizer=adamw"] if precision != "coat" else [f"fp8_swiglu={swiglu}"]
+    cfg = load_config(None, [*RUN, f"precision={precision}", *extra])
+    program = build_program(cfg, cfg.model)
+    loss = functools.partial(next_token_loss, program.model_def)
+    return cfg, loss, program.init_params(jax.random.key(0))
 
 
-IDS = jax.random.randint(jax.random.key(1), (B, T + 1), 0, CFG.vocab_size, jnp.int32)
+def _tokens(cfg):
+    shape = (B, cfg.seq_len + 1)
+    return jax.random.randint(jax.random.key(1), shape, 0, cfg.model.vocab_size, jnp.int32)
 
 
 def test_ops_for_gives_the_fused_op_only_when_asked():
@@ -71,13 +60,14 @@ def test_ops_for_gives_the_fused_op_only_when_asked():
 def test_keeps_one_intermediate_fp8_tensor_less_per_layer():
     kept = {}
     for swiglu in ("coat", "fused"):
-        loss, state = _loss_fn(_model(swiglu))
+        cfg, loss, params = _program(swiglu)
         kept[swiglu] = [
-            r for r in residuals(loss, state, IDS, param_argnums=(0,)) if r.is_activation
+            r for r in residuals(loss, params, _tokens(cfg), param_argnums=(0,)) if r.is_activation
         ]
     fp8 = lambda rs, n: [r for r in rs if r.dtype.itemsize == 1 and r.shape[-1] == n]
-    f = CFG.intermediate_size
-    layers = CFG.num_hidden_layers
+    f = cfg.model.intermediate_size
+    layers = cfg.model.num_hidden_layers
+    T = cfg.seq_len
     # COAT: gate (SiLU's input), the SiLU output and up (the product's inputs); fused: gate,
     # up. Both: down_proj's per-tensor input.
     assert len(fp8(kept["coat"], f)) == 4 * layers
@@ -88,16 +78,16 @@ def test_keeps_one_intermediate_fp8_tensor_less_per_layer():
 
 
 def test_forward_and_gradients_stay_as_close_to_bf16_as_coats():
-    loss_bf16, state = _loss_fn(_model("coat", precision="bf16"))
-    grad = lambda loss, state: jax.jit(jax.value_and_grad(loss))(state, IDS)
-    ref_loss, ref_grads = grad(loss_bf16, state)
+    cfg, loss_bf16, params = _program("coat", precision="bf16")
+    grad = lambda loss, params: jax.jit(jax.value_and_grad(loss))(params, _tokens(cfg))
+    ref_loss, ref_grads = grad(loss_bf16, params)
     flat = lambda g: np.concatenate(
         [np.ravel(np.asarray(a, np.float32)) for a in jax.tree.leaves(g)]
     )
     dist = {}
     for swiglu in ("coat", "fused"):
-        loss, state = _loss_fn(_model(swiglu))  # the same seed: the same weights
-        value, grads = grad(loss, state)
+        _, loss, params = _program(swiglu)  # the same seed: the same weights
+        value, grads = grad(loss, params)
         assert abs(float(value) - float(ref_loss)) < 0.02 * abs(float(ref_loss))
         dist[swiglu] = np.linalg.norm(flat(grads) - flat(ref_grads)) / np.linalg.norm(
             flat(ref_grads)
