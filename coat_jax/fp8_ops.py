@@ -69,6 +69,7 @@ from pallas_kernels.sharding import KernelMesh
 
 PRECISIONS = ("bf16", "fp8", "coat")
 GEMM_DEQUANT = ("compute", "float32")
+GEMM_OUTPUTS = ("compute", "float32")
 
 # ``jax.ad_checkpoint.checkpoint_name`` of every activation an op keeps for backward, in every
 # precision: the FP8 codes and scales of the COAT ops (plus RMSNorm's 1/rms) and the inputs the
@@ -121,7 +122,17 @@ class FP8Config:
       gemm_dequant: dtype the FP8 codes are converted to in the ``dot(convert(codes), ...)``
         pattern that XLA rewrites to cuBLASLt's FP8 GEMM: "float32" (default) or "compute" (the
         activations' dtype). Both are exact (FP8 values are exact in BF16); the GEMM accumulates
-        in float32 either way. docs/fp8_gemm.md has which spellings the H200 rewrites.
+        in float32 either way. docs/fp8_gemm.md has which spellings the H200 rewrites. With
+        ``gemm_output="compute"`` the GEMMs that write the activations' dtype convert to it.
+      gemm_output: what the FP8 GEMMs whose result is an activation (forward's outputs, and
+        dgrad's input gradient of a single weight) write: ``"compute"`` (default) the
+        activations' dtype (BF16) straight from cuBLASLt, the per-tensor scales applied to the
+        operands (``dot(convert(a) * sa, convert(b) * sb)``, which the GPU rewriter folds into
+        cuBLASLt's scale arguments, exact since the scales are BF16 values); ``"float32"`` a
+        float32 GEMM result scaled and then cast (2x the bytes written and read again; XLA does
+        not fold that cast into the GEMM). Weight gradients and the input gradient summed over
+        a tuple of weights are float32 either way. Off the GPU, ``"compute"`` rounds each
+        dequantized operand to BF16 before the dot (a relative error below 2^-8 per value).
       weight_residual: what ``fp8_linear`` keeps of each weight for backward. ``"master"``
         (default): a reference to the master weight, which backward quantizes again (nothing
         weight-sized is added; the weight is read and quantized twice per step). ``"fp8"``: the
@@ -163,6 +174,7 @@ class FP8Config:
     interpret: bool = False
     tiles: fp8_quant.TileConfig = fp8_quant.DEFAULT_TILES
     gemm_dequant: str = "float32"
+    gemm_output: str = "compute"
     mesh: KernelMesh | None = None
     weight_residual: str = "master"
     group_scale: str = "float32"
@@ -173,6 +185,12 @@ class FP8Config:
         if self.gemm_dequant not in GEMM_DEQUANT:
             raise ValueError(
                 f"gemm_dequant={self.gemm_dequant!r} is not one of {list(GEMM_DEQUANT)}"
+            )
+        if self.gemm_output not in GEMM_OUTPUTS:
+            raise ValueError(
+                f"gemm_output={self.gemm_output!r} is not one of {list(GEMM_OUTPUTS)}: 'compute' "
+                "writes the activations' dtype from the FP8 GEMM, 'float32' a float32 result "
+                "cast afterwards"
             )
         if self.weight_residual not in WEIGHT_RESIDUALS:
             raise ValueError(
@@ -318,22 +336,36 @@ def fp8_compiler_options(backend: str | None = None) -> dict | None:
 
 def _fp8_dot(a, b, contracting, config, compute_dtype, out_dtype):
     """``(a.codes * a.scale) . (b.codes * b.scale)`` of two per-tensor quantized operands as one
-    FP8 GEMM, float32 accumulation.
+    FP8 GEMM, float32 accumulation, written in ``out_dtype``.
 
-    Spelled ``dot(convert(a_codes), convert(b_codes)) * (a_scale * b_scale)``. On the GPU, XLA's
-    Triton GEMM pass runs before its cuBLAS FP8 rewriter and pulls the dot's operand producers
-    into a fusion; it takes ``convert(codes)`` but leaves ``convert(codes) * scale`` outside when
-    the scale is computed in the same program, and the dot then compiles to a float32 GEMM on
-    dequantized copies. With the scales applied after the dot, the rewriter sees FP8 operands
-    and folds the scalar product into cuBLASLt's scale arguments (measured on the H200 with JAX
-    0.11.2 by ``benchmarks/probe_fp8_gemm.py``: docs/fp8_gemm.md).
+    A float32 result is spelled ``dot(convert(a_codes), convert(b_codes)) * (a_scale *
+    b_scale)``. On the GPU, XLA's Triton GEMM pass runs before its cuBLAS FP8 rewriter and pulls
+    the dot's operand producers into a fusion; it takes ``convert(codes)`` but leaves
+    ``convert(codes) * scale`` outside when the scale is computed in the same program, and the
+    dot then compiles to a float32 GEMM on dequantized copies. With the scales applied after
+    the dot, the rewriter sees FP8 operands and folds the scalar product into cuBLASLt's scale
+    arguments (measured on the H200 with JAX 0.11.2 by ``benchmarks/probe_fp8_gemm.py``:
+    docs/fp8_gemm.md).
+
+    A narrower ``out_dtype`` (BF16) under ``gemm_output="compute"`` is spelled
+    ``dot(convert(a_codes) * a_scale, convert(b_codes) * b_scale)`` in that dtype: the
+    rewriter only emits a BF16 result when the dot itself is BF16 (it folds no cast of a
+    float32 result), and with :func:`fp8_compiler_options` (Triton GEMMs off) it folds the
+    operand scales into cuBLASLt's (docs/fp8_gemm.md). The scales are BF16 values, so on the
+    GPU nothing is rounded but the output.
     """
+    dims = (contracting, ((), ()))
+    out_dtype = jnp.dtype(out_dtype)
+    if config.gemm_output == "compute" and out_dtype.itemsize < 4:
+        return jax.lax.dot_general(
+            a.codes.astype(out_dtype) * a.scale.astype(out_dtype),
+            b.codes.astype(out_dtype) * b.scale.astype(out_dtype),
+            dims,
+            preferred_element_type=out_dtype,
+        )
     dtype = jnp.float32 if config.gemm_dequant == "float32" else compute_dtype
     acc = jax.lax.dot_general(
-        a.codes.astype(dtype),
-        b.codes.astype(dtype),
-        (contracting, ((), ())),
-        preferred_element_type=jnp.float32,
+        a.codes.astype(dtype), b.codes.astype(dtype), dims, preferred_element_type=jnp.float32
     )
     return (acc * (a.scale.astype(jnp.float32) * b.scale.astype(jnp.float32))).astype(out_dtype)
 
@@ -548,7 +580,10 @@ def _fp8_linear_bwd(config, res, dy):
         # dgrad contracts the codes' last axis (N): [K, N] codes are already in the layout
         # cuBLASLt's FP8 GEMM takes, so no transposed copy is needed for it.
         w_q = _gathered(w_q, config)
-        dx_i = _fp8_dot(dy_q, w_q, ((1,), (1,)), config, compute, jnp.float32)
+        # A tuple of weights sums its input gradients in float32; one weight's is written in
+        # the compute dtype straight from the GEMM (FP8Config.gemm_output).
+        dx_dtype = compute if len(dys) == 1 else jnp.float32
+        dx_i = _fp8_dot(dy_q, w_q, ((1,), (1,)), config, compute, dx_dtype)
         dx = dx_i if dx is None else dx + dx_i
         dw = _fp8_dot(x_q, dy_q, ((0,), (0,)), config, compute, jnp.float32).astype(dtype)
         # An FP8Weight's codes are held constant: its whole gradient is its master's.

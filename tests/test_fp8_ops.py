@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jex_core
 
 from coat_jax import fp8_ops
 from coat_jax.fp8_ops import FP8Config, fp8_dot_general, ops_for
@@ -409,14 +410,19 @@ def test_dot_general_drop_in_for_nnx_linear():
 @pytest.mark.parametrize("weight_residual", fp8_ops.WEIGHT_RESIDUALS)
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("n_weights", [1, 2])
-def test_fp8_linear_compiles_to_cublaslt_fp8(implementation, n_weights, weight_residual):
+@pytest.mark.parametrize("gemm_output", fp8_ops.GEMM_OUTPUTS)
+def test_fp8_linear_compiles_to_cublaslt_fp8(
+    implementation, n_weights, weight_residual, gemm_output
+):
     # Llama-2-7B-sized projections (compile only): every GEMM of forward, dgrad and wgrad must
     # be cuBLASLt's FP8 GEMM, none a BF16/float32 GEMM or a Triton GEMM fusion.
     sds = jax.ShapeDtypeStruct
     x = sds((2, 1024, 4096), jnp.bfloat16)
     ws = tuple(sds((4096, n), jnp.float32) for n in (4096, 1024)[:n_weights])
     cs = tuple(sds((2, 1024, w.shape[1]), jnp.float32) for w in ws)
-    config = FP8Config(implementation=implementation, weight_residual=weight_residual)
+    config = FP8Config(
+        implementation=implementation, weight_residual=weight_residual, gemm_output=gemm_output
+    )
 
     def loss(x, ws, cs):
         # Cotangents that are arguments, so XLA cannot constant-fold the gradient path.
@@ -435,6 +441,11 @@ def test_fp8_linear_compiles_to_cublaslt_fp8(implementation, n_weights, weight_r
     assert targets.count("__cublas$lt$matmul$f8") == 3 * n_weights, sorted(targets)
     assert "__cublas$lt$matmul" not in targets and "__cublas$gemm" not in targets, targets
     assert "__triton_gemm" not in hlo
+    # gemm_output="compute": forward's GEMMs, and one weight's dgrad, write BF16 themselves.
+    results = re.findall(r'= \((\w+)\[[^\n]*?custom_call_target="__cublas\$lt\$matmul\$f8"', hlo)
+    assert len(results) == 3 * n_weights, results
+    expected = 0 if gemm_output == "float32" else n_weights + (n_weights == 1)
+    assert results.count("bf16") == expected, results
 
 
 def _sub_jaxprs(values):
@@ -447,25 +458,45 @@ def _sub_jaxprs(values):
             yield v.jaxpr
 
 
-def _dot_operand_sources(jaxpr) -> list[tuple[str, str]]:
-    """For every dot_general in ``jaxpr`` (recursively), the dtypes its operands were converted
-    from, or ``"not a convert"``."""
+def _dot_operand_sources(jaxpr) -> list[tuple[str, str, str]]:
+    """For every dot_general in ``jaxpr`` (recursively): its result dtype and, per operand, the
+    dtype it was converted from (``"float8_e4m3fn"``), that with ``"*scale"`` when the convert
+    is multiplied by a scalar (a 0-d value, broadcast or not), or ``"not a convert"``."""
     found = []
 
     def walk(jx):
         producers = {}
+
+        def source(v):
+            p = None if isinstance(v, jex_core.Literal) else producers.get(v)
+            if p is not None and p.primitive.name == "convert_element_type":
+                return str(p.invars[0].aval.dtype)
+            if p is not None and p.primitive.name == "mul":
+                inner = [source(u) for u in p.invars]
+                scalar = [_is_scalar(u) for u in p.invars]
+                for i in (0, 1):
+                    if scalar[1 - i] and inner[i].startswith("float8"):
+                        return inner[i] + "*scale"
+            return "not a convert"
+
+        def _is_scalar(v):
+            if not hasattr(v, "aval"):
+                return False
+            if v.aval.shape == ():
+                return True
+            p = None if isinstance(v, jex_core.Literal) else producers.get(v)
+            return (
+                p is not None
+                and p.primitive.name == "broadcast_in_dim"
+                and (p.invars[0].aval.shape == ())
+            )
+
         for eqn in jx.eqns:
             for out in eqn.outvars:
                 producers[out] = eqn
             if eqn.primitive.name == "dot_general":
-                srcs = []
-                for v in eqn.invars:
-                    p = producers.get(v)
-                    if p is not None and p.primitive.name == "convert_element_type":
-                        srcs.append(str(p.invars[0].aval.dtype))
-                    else:
-                        srcs.append("not a convert")
-                found.append(tuple(srcs))
+                out_dtype = str(eqn.outvars[0].aval.dtype)
+                found.append((out_dtype, *(source(v) for v in eqn.invars)))
             for sub in _sub_jaxprs(eqn.params.values()):
                 walk(sub)
 
@@ -473,27 +504,70 @@ def _dot_operand_sources(jaxpr) -> list[tuple[str, str]]:
     return found
 
 
+@pytest.mark.parametrize("gemm_output", fp8_ops.GEMM_OUTPUTS)
+@pytest.mark.parametrize("n_weights", [1, 2])
 @pytest.mark.parametrize("weight_residual", fp8_ops.WEIGHT_RESIDUALS)
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_fp8_linear_dots_take_fp8_codes_directly(implementation, weight_residual):
-    # The spelling XLA's cuBLASLt FP8 rewriter needs (docs/fp8_gemm.md): every GEMM of forward,
-    # dgrad and wgrad is a dot of convert(float8 codes), with the scales applied after the dot.
-    # A dequantize-then-dot (convert * scale, or a float32/BF16 operand) would compile to a
-    # float32 or BF16 GEMM on the GPU.
+def test_fp8_linear_dots_take_fp8_codes_directly(
+    implementation, weight_residual, n_weights, gemm_output
+):
+    # The spellings XLA's cuBLASLt FP8 rewriter needs (docs/fp8_gemm.md): every GEMM of forward,
+    # dgrad and wgrad is a dot of convert(float8 codes). A float32 result takes the scales after
+    # the dot; a BF16 result (gemm_output="compute": forward, and dgrad of one weight) takes
+    # convert(codes) * scalar scale as operands. A dequantize-then-dot on anything else (a
+    # float32/BF16 operand) would compile to a float32 or BF16 GEMM on the GPU.
     config = FP8Config(
-        implementation=implementation, interpret=True, weight_residual=weight_residual
+        implementation=implementation,
+        interpret=True,
+        weight_residual=weight_residual,
+        gemm_output=gemm_output,
     )
     x = jnp.ones((2, 16, 64), jnp.bfloat16)
-    ws = (jnp.ones((64, 32)), jnp.ones((64, 16)))
+    ws = (jnp.ones((64, 32)), jnp.ones((64, 16)))[:n_weights]
 
     def loss(x, ws):
-        ys = fp8_ops.fp8_linear(x, ws, config)
+        ys = fp8_ops.fp8_linear(x, ws if n_weights > 1 else ws[0], config)
+        ys = ys if n_weights > 1 else (ys,)
         return sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in ys)
 
     sources = _dot_operand_sources(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, ws))
-    assert len(sources) == 6, sources  # (forward, dgrad, wgrad) x 2 weights
+    assert len(sources) == 3 * n_weights, sources  # (forward, dgrad, wgrad) per weight
     fp8 = {"float8_e4m3fn", "float8_e5m2"}
-    assert all(set(pair) <= fp8 for pair in sources), sources
+    for out, *operands in sources:
+        if out == "bfloat16":
+            assert gemm_output == "compute", sources
+            assert all(o.removesuffix("*scale") in fp8 and o.endswith("*scale") for o in operands)
+        else:
+            assert out == "float32" and set(operands) <= fp8, sources
+    # BF16 results: forward's, and one weight's dgrad (a tuple's dgrads are summed in float32).
+    narrow = [s for s in sources if s[0] == "bfloat16"]
+    assert len(narrow) == (0 if gemm_output == "float32" else n_weights + (n_weights == 1))
+
+
+def test_fp8_linear_gemm_output_float32_matches_compute():
+    # The two spellings compute the same product; "compute" rounds each dequantized operand to
+    # BF16 off the GPU (and the output once), so they agree to about BF16 precision.
+    x = jax.random.normal(jax.random.key(0), (4, 32, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 48)) * 0.1
+
+    def run(gemm_output):
+        config = FP8Config(implementation="xla", gemm_output=gemm_output)
+
+        def loss(x, w):
+            return jnp.sum(fp8_ops.fp8_linear(x, w, config).astype(jnp.float32) ** 2)
+
+        y = fp8_ops.fp8_linear(x, w, config)
+        return y, jax.grad(loss, (0, 1))(x, w)
+
+    (y_c, (dx_c, dw_c)), (y_f, (dx_f, dw_f)) = run("compute"), run("float32")
+    assert y_c.dtype == y_f.dtype == jnp.bfloat16 and dx_c.dtype == dx_f.dtype == jnp.bfloat16
+    # Forward differs by BF16 roundings only; the gradients also by the E5M2 codes of the output
+    # gradient that a BF16 rounding of y can flip (one E5M2 step is 12.5% of a value).
+    for a, b, tol in ((y_c, y_f, 0.01), (dx_c, dx_f, 0.05), (dw_c, dw_f, 0.05)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), np.linalg.norm(a - b)
+    with pytest.raises(ValueError, match="gemm_output='bf16' is not one of"):
+        FP8Config(gemm_output="bf16")
 
 
 def test_fp8_compiler_options_only_on_gpu():

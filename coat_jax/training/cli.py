@@ -39,6 +39,8 @@ DESCRIPTIONS = {
     "fp8_group_scale": "1x16 activation scales: float32 (COAT) or e8m0 (power of two, 1 byte)",
     "fp8_swiglu": "coat: FP8 SiLU and product ops (COAT); fused: one FP8 SwiGLU keeping gate "
     "and up only (precision coat)",
+    "fp8_gemm_output": "compute: FP8 GEMMs write BF16 activations themselves; float32: a "
+    "float32 result cast afterwards",
     "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
     "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh; the FP8 ops: see "

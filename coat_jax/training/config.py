@@ -87,6 +87,10 @@ class TrainConfig:
       ``coat`` (default, COAT: two FP8 ops keeping gate, the SiLU output and up) or ``fused``
       (one op keeping gate and up, the SiLU recomputed in backward: one intermediate-size FP8
       tensor less per layer; docs/memory_options.md, "Fused SwiGLU").
+    - ``fp8_gemm_output``: what the FP8 GEMMs whose result is an activation write
+      (``FP8Config.gemm_output``; precision ``fp8`` or ``coat``): ``compute`` (default, BF16
+      straight from cuBLASLt) or ``float32`` (a float32 result, cast afterwards: twice the
+      bytes; docs/fp8_gemm.md).
     - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
       and their gradients; the optimizer still computes in float32 and each update is applied
       with stochastic rounding (``coat_jax.master``). An option, not a default: see
@@ -169,6 +173,7 @@ class TrainConfig:
     fp8_weight_residual: Literal["master", "fp8", "once"] = "once"
     fp8_group_scale: Literal["float32", "e8m0"] = "float32"
     fp8_swiglu: Literal["coat", "fused"] = "coat"
+    fp8_gemm_output: Literal["compute", "float32"] = "compute"
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
@@ -287,6 +292,12 @@ class TrainConfig:
                 f"fp8_swiglu={self.fp8_swiglu} changes the FP8 SiLU and product of precision "
                 f"coat, and precision={self.precision} runs them in BF16; use precision=coat, "
                 "or set fp8_swiglu=coat"
+            )
+        if self.fp8_gemm_output != "compute" and self.precision == "bf16":
+            raise ValueError(
+                f"fp8_gemm_output={self.fp8_gemm_output} changes the FP8 GEMMs, and "
+                "precision=bf16 has none; use precision=fp8 or coat, or set "
+                "fp8_gemm_output=compute"
             )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
