@@ -124,15 +124,18 @@ class FP8Config:
         activations' dtype). Both are exact (FP8 values are exact in BF16); the GEMM accumulates
         in float32 either way. docs/fp8_gemm.md has which spellings the H200 rewrites. With
         ``gemm_output="compute"`` the GEMMs that write the activations' dtype convert to it.
-      gemm_output: what the FP8 GEMMs whose result is an activation (forward's outputs, and
-        dgrad's input gradient of a single weight) write: ``"compute"`` (default) the
-        activations' dtype (BF16) straight from cuBLASLt, the per-tensor scales applied to the
-        operands (``dot(convert(a) * sa, convert(b) * sb)``, which the GPU rewriter folds into
-        cuBLASLt's scale arguments, exact since the scales are BF16 values); ``"float32"`` a
-        float32 GEMM result scaled and then cast (2x the bytes written and read again; XLA does
-        not fold that cast into the GEMM). Weight gradients and the input gradient summed over
-        a tuple of weights are float32 either way. Off the GPU, ``"compute"`` rounds each
-        dequantized operand to BF16 before the dot (a relative error below 2^-8 per value).
+      gemm_output: what the FP8 GEMMs whose result is a BF16 activation (forward's outputs,
+        and dgrad's input gradient of a single weight) write: ``"compute"`` (default) BF16
+        straight from cuBLASLt, the per-tensor scales applied to the operands
+        (``dot(convert(a) * sa, convert(b) * sb)`` in BF16, which the GPU rewriter under
+        :func:`fp8_compiler_options` folds into cuBLASLt's scale arguments: then only the
+        output is rounded, as before); ``"float32"`` a float32 GEMM result scaled and then cast
+        (2x the bytes written and read again; XLA does not fold that cast into the GEMM).
+        Weight gradients, the input gradient summed over a tuple of weights, and float32 or
+        float16 activations take the float32 spelling either way. Where the scales are not
+        folded (off the GPU, or a GPU program compiled without the options), ``"compute"``
+        rounds each dequantized operand to BF16 before the dot (a relative error below 2^-8
+        per value).
       weight_residual: what ``fp8_linear`` keeps of each weight for backward. ``"master"``
         (default): a reference to the master weight, which backward quantizes again (nothing
         weight-sized is added; the weight is read and quantized twice per step). ``"fp8"``: the
@@ -347,16 +350,18 @@ def _fp8_dot(a, b, contracting, config, compute_dtype, out_dtype):
     arguments (measured on the H200 with JAX 0.11.2 by ``benchmarks/probe_fp8_gemm.py``:
     docs/fp8_gemm.md).
 
-    A narrower ``out_dtype`` (BF16) under ``gemm_output="compute"`` is spelled
+    A BF16 ``out_dtype`` under ``gemm_output="compute"`` is spelled
     ``dot(convert(a_codes) * a_scale, convert(b_codes) * b_scale)`` in that dtype: the
     rewriter only emits a BF16 result when the dot itself is BF16 (it folds no cast of a
     float32 result), and with :func:`fp8_compiler_options` (Triton GEMMs off) it folds the
-    operand scales into cuBLASLt's (docs/fp8_gemm.md). The scales are BF16 values, so on the
-    GPU nothing is rounded but the output.
+    operand scales into cuBLASLt's (docs/fp8_gemm.md). The scales are BF16 values, so there
+    nothing is rounded but the output; where they are not folded, each dequantized operand is
+    rounded to BF16. Float16 keeps the float32 spelling (E5M2 gradient scales fall below its
+    range).
     """
     dims = (contracting, ((), ()))
     out_dtype = jnp.dtype(out_dtype)
-    if config.gemm_output == "compute" and out_dtype.itemsize < 4:
+    if config.gemm_output == "compute" and out_dtype == jnp.bfloat16:
         return jax.lax.dot_general(
             a.codes.astype(out_dtype) * a.scale.astype(out_dtype),
             b.codes.astype(out_dtype) * b.scale.astype(out_dtype),

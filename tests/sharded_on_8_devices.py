@@ -456,7 +456,7 @@ def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothi
 
     # The forward and backward all-gather each FSDP-split linear weight as its FP8 codes
     # (XLA:CPU moves FP8 through collectives as f16), never as the float32 master or its
-    # float32 GEMM operand.
+    # float32 or BF16 GEMM operand.
     step_hlo = jax.jit(program.step_fn).lower(params, state, batch).compile().as_text()
     # With fp8_weight_residual "once" the codes are a scan input: XLA gathers the [1, K, N]
     # slice of the stack before dropping its unit axis.
@@ -464,7 +464,7 @@ def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothi
     weights = {s[1:] for s in stacked} | {(1, *s[1:]) for s in stacked}
     weight_gathers = [(t, shape) for t, shape in _gathers(step_hlo) if shape in weights]
     assert weight_gathers, _gathers(step_hlo)
-    assert all(t != "f32" for t, _ in weight_gathers), weight_gathers
+    assert all(t not in ("f32", "bf16") for t, _ in weight_gathers), weight_gathers
     # One layer's codes at a time: no device gathers the whole stack of them.
     assert not set(stacked) & {shape for _, shape in _gathers(step_hlo)}, _gathers(step_hlo)
 

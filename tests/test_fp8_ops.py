@@ -544,6 +544,19 @@ def test_fp8_linear_dots_take_fp8_codes_directly(
     assert len(narrow) == (0 if gemm_output == "float32" else n_weights + (n_weights == 1))
 
 
+def test_fp8_linear_float16_keeps_float32_gemm_results():
+    # Float16 cannot hold an E5M2 gradient scale of a small gradient (2^-24 is its smallest
+    # value): its GEMMs keep the float32 spelling, and a small gradient still comes through.
+    x = jnp.ones((2, 8, 64), jnp.float16)
+    w = jnp.ones((64, 32)) * 0.01
+    loss = lambda x, w: 1e-3 * jnp.sum(fp8_ops.fp8_linear(x, w, XLA).astype(jnp.float32))
+    sources = _dot_operand_sources(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
+    assert len(sources) == 3 and all(out == "float32" for out, *_ in sources), sources
+    dx, dw = jax.grad(loss, (0, 1))(x, w)
+    assert dx.dtype == jnp.float16 and float(jnp.min(jnp.abs(dx))) > 0
+    np.testing.assert_allclose(np.asarray(dx, np.float32), 1e-3 * 0.01 * 32, rtol=0.07)
+
+
 def test_fp8_linear_gemm_output_float32_matches_compute():
     # The two spellings compute the same product; "compute" rounds each dequantized operand to
     # BF16 off the GPU (and the output once), so they agree to about BF16 precision.

@@ -18,7 +18,15 @@ from coat_jax.training.loop import build_program, next_token_loss
 from tests.test_fp8_ops import _dot_operand_sources
 from tests.tiny_runs import tiny_run
 
-RUN = [*tiny_run(layers=1, batch_size=2), "kernels=xla", "compilation_cache_dir=null"]
+# Pinned: plain (unremat) attention and layers, so the dots are the 7 projections' and the head's.
+RUN = [
+    *tiny_run(layers=1, batch_size=2),
+    "kernels=xla",
+    "compilation_cache_dir=null",
+    "remat=none",
+    "fp8_attention=false",
+    "scan_layers=false",
+]
 
 
 def _dots(gemm_output: str, precision: str = "coat"):
