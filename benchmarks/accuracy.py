@@ -12,6 +12,7 @@ Each mode trains the same model on the same data in the same order (the trainer'
   coat_e8m0     precision=coat  optimizer=coat_adamw   fp8_group_scale=e8m0 (1-byte 1x16 scales)
   coat_xla      precision=coat  optimizer=coat_adamw   fp8_kernels=xla (the trainer's default)
   coat_swiglu   precision=coat  optimizer=coat_adamw   fp8_kernels=xla fp8_swiglu=fused
+  coat_rounded  precision=coat  optimizer=coat_adamw   fp8_kernels=xla xla_excess_precision=false
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
 or the non-linear ops. The modes with FP8 activation ops other than coat_xla and coat_swiglu pin
@@ -62,16 +63,20 @@ sys.path.insert(0, str(REPO))
 # references on the CPU): the setting of every record before the trainer's default moved to XLA's
 # fusions (2026-12-03), so that a mode's rows stay one implementation. coat_xla is that default.
 _PALLAS_OPS = "fp8_kernels=auto"
+# Likewise every FP8 mode recorded before COAT's default became xla_excess_precision=false pins
+# XLA's own default (intermediates may stay float32), the setting of its records.
+_EXCESS = "xla_excess_precision=true"
 MODES = {
     "bf16": ["precision=bf16", "optimizer=adamw"],
-    "fp8": ["precision=fp8", "optimizer=adamw", _PALLAS_OPS],
+    "fp8": ["precision=fp8", "optimizer=adamw", _PALLAS_OPS, _EXCESS],
     "bf16_coatopt": ["precision=bf16", "optimizer=coat_adamw"],
-    "coat": ["precision=coat", "optimizer=coat_adamw", _PALLAS_OPS],
+    "coat": ["precision=coat", "optimizer=coat_adamw", _PALLAS_OPS, _EXCESS],
     "coat_bf16m": [
         "precision=coat",
         "optimizer=coat_adamw",
         "master_dtype=bfloat16",
         _PALLAS_OPS,
+        _EXCESS,
     ],
     # The optimizer inside the backward pass, which cannot clip by the global norm: what changes
     # against "coat" is the clipping (the step is otherwise the same, tests/test_layerwise.py).
@@ -82,17 +87,33 @@ MODES = {
         "optimizer_in_backward=true",
         "grad_clip=null",
         _PALLAS_OPS,
+        _EXCESS,
     ],
     # The FP8 activations' 1x16 scales as powers of two in one byte (FP8Config.group_scale).
-    "coat_e8m0": ["precision=coat", "optimizer=coat_adamw", "fp8_group_scale=e8m0", _PALLAS_OPS],
+    "coat_e8m0": [
+        "precision=coat",
+        "optimizer=coat_adamw",
+        "fp8_group_scale=e8m0",
+        _PALLAS_OPS,
+        _EXCESS,
+    ],
     # The FP8 activation ops as XLA's fusions of their jnp references: the trainer's default.
-    "coat_xla": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=xla"],
+    "coat_xla": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=xla", _EXCESS],
     # The MLP's SiLU and product as one FP8 op keeping gate and up only (FP8Config.swiglu).
     "coat_swiglu": [
         "precision=coat",
         "optimizer=coat_adamw",
         "fp8_kernels=xla",
         "fp8_swiglu=fused",
+        _EXCESS,
+    ],
+    # coat_xla with every bfloat16 intermediate rounded (xla_excess_precision=false, COAT's
+    # default since 2026-12-03).
+    "coat_rounded": [
+        "precision=coat",
+        "optimizer=coat_adamw",
+        "fp8_kernels=xla",
+        "xla_excess_precision=false",
     ],
 }
 MODE_TITLES = {
@@ -105,6 +126,7 @@ MODE_TITLES = {
     "coat_e8m0": "COAT + coat_adamw, one-byte (E8M0) activation scales",
     "coat_xla": "COAT + coat_adamw, FP8 activation ops as XLA fusions",
     "coat_swiglu": "COAT + coat_adamw, fused FP8 SwiGLU (XLA fusions)",
+    "coat_rounded": "COAT + coat_adamw, XLA fusions, no excess precision",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.

@@ -531,7 +531,7 @@ def worker(args) -> None:
     from coat_jax.memory import residuals
     from coat_jax.optim import apply_gradients
     from coat_jax.training import load_config
-    from coat_jax.training.loop import build_program
+    from coat_jax.training.loop import build_program, compiler_options
     from coat_jax.training.optimizers import kernel_options
 
     mode, seq = args.worker, args.seq
@@ -552,6 +552,8 @@ def worker(args) -> None:
         "compilation_cache_dir=null",
         *(f"model.{k}={v}" for k, v in layer_overrides(args.tiny).items()),
         *([f"fp8_kernels={fp8_kernels}"] if fp8_kernels != "default" else []),
+        *args.set_all,
+        *(args.set if mode != "bf16" else []),
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "llama2_7b.yaml"), overrides)
     config = cfg.model
@@ -559,6 +561,10 @@ def worker(args) -> None:
     model_def = program.model_def
     tx = program.tx
     keys = {"mode": mode, "weight_residual": weight_residual, "fp8_kernels": fp8_kernels}
+    if args.set_all:
+        keys["set_all"] = list(args.set_all)
+    if args.set and mode != "bf16":
+        keys["set"] = list(args.set)
     # What the option resolved to: "default" follows the trainer's default, which has changed.
     keys["fp8_ops_implementation"] = (
         kernel_options(cfg, fp8_ops=True)["implementation"] if mode != "bf16" else None
@@ -575,12 +581,15 @@ def worker(args) -> None:
             )
         return model.decoder(x_BTD, positions)
 
-    @jax.jit
+    # The trainer's compiler options (Triton GEMMs off on a GPU, and what the config sets).
+    options = compiler_options(cfg)
+
+    @functools.partial(jax.jit, compiler_options=options)
     def fwd_bwd(params, x_BTD, dy_BTD):
         _, pullback = jax.vjp(apply, params, x_BTD)
         return pullback(dy_BTD)
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    @functools.partial(jax.jit, donate_argnums=(1, 2), compiler_options=options)
     def layer_step(rest, layer, opt_state, x_BTD, dy_BTD):
         # Gradients of the layer's weights only (the embedding and the head take no part), then
         # the step train.py's make_train_step takes on them.
@@ -786,7 +795,8 @@ def _variant(r: dict) -> str:
         return "bf16"
     wr = r.get("weight_residual", "master")
     kernels = r.get("fp8_ops_implementation") or r.get("fp8_kernels", "default")
-    return f"{r['mode']}/{wr}" + ("" if kernels == "default" else f"/{kernels}")
+    extra = "".join(f"+{kv}" for kv in r.get("set", []))
+    return f"{r['mode']}/{wr}" + ("" if kernels == "default" else f"/{kernels}") + extra
 
 
 def _find(records: list[dict], kind: str, batch: int, variant: str) -> dict | None:
@@ -1007,6 +1017,22 @@ def main(argv=None) -> None:
         help="write each compiled program's optimized HLO text here (one file per variant, "
         "program and batch)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a trainer config override for the fp8 and coat modes (repeatable; their variant "
+        "names show it), e.g. --set fp8_swiglu=fused",
+    )
+    p.add_argument(
+        "--set-all",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a trainer config override for every mode, bf16 included (repeatable; kept in the "
+        "records as set_all), e.g. --set-all xla_excess_precision=false",
+    )
     p.add_argument("--child-timeout-s", type=float, default=240.0)
     p.add_argument("--out-dir", default="runs/bench_layer")
     p.add_argument("--docs", default=None)
@@ -1081,6 +1107,8 @@ def main(argv=None) -> None:
                 f"--top-kernels={args.top_kernels}",
                 *([f"--hlo-dir={args.hlo_dir}"] if args.hlo_dir else []),
                 "--optimizer" if args.optimizer else "--no-optimizer",
+                *(f"--set={kv}" for kv in args.set),
+                *(f"--set-all={kv}" for kv in args.set_all),
             ]
             + (["--tiny"] if args.tiny else [])
             + (["--scan"] if args.scan else [])

@@ -149,6 +149,13 @@ class TrainConfig:
       The CPU backend is deterministic without it. Why it exists: two H200 runs of BF16 seed 0
       of the ``scratch_code`` study, one session's code changes apart (none of them in BF16's
       step), ended 0.0048 apart in validation loss (docs/accuracy.md).
+    - ``xla_excess_precision``: XLA's ``xla_allow_excess_precision`` for the training step and
+      the evaluation (``coat_jax.training.loop.compiler_options``). ``true`` (XLA's own default)
+      lets XLA keep a bfloat16 intermediate in float32 between two fusions (it removes the
+      round trip through bfloat16); ``false`` rounds every bfloat16 value the program names,
+      so those tensors cross memory in 2 bytes instead of 4. ``null``: the measured default,
+      ``false`` for precision ``coat`` and XLA's own otherwise
+      (``coat_jax.training.loop.excess_precision``, docs/bench_excess_precision.md).
     - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
       or ``coat``) the range of the FP8 activation scales to the metrics records written
       every ``log_every`` steps (and at the first and last step), computed on those steps
@@ -225,6 +232,7 @@ class TrainConfig:
     eval_at_start: bool = False
     compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
     deterministic: bool = False
+    xla_excess_precision: bool | None = None
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):

@@ -496,17 +496,35 @@ class TrainProgram:
         return jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
 
 
+def excess_precision(cfg: TrainConfig) -> bool | None:
+    """XLA's ``xla_allow_excess_precision`` for ``cfg``'s programs; ``None``: XLA's default.
+
+    ``cfg.xla_excess_precision`` where set. Unset: ``False`` for precision ``coat``, where
+    rounding every bfloat16 intermediate was measured faster on the H200 (Llama-2-7B batch 1
+    2.1% faster, step times apart; BF16's step was not faster, so it keeps XLA's default, and
+    ``fp8`` was not measured: docs/bench_excess_precision.md).
+    """
+    if cfg.xla_excess_precision is not None:
+        return bool(cfg.xla_excess_precision)
+    return False if cfg.precision == "coat" else None
+
+
 def compiler_options(cfg: TrainConfig) -> dict | None:
     """``jax.jit``'s ``compiler_options`` for the run's training step and evaluation.
 
     On a GPU: no Triton GEMM fusion, so that the FP8 linears compile to cuBLASLt FP8 GEMMs
     (:func:`coat_jax.fp8_ops.fp8_compiler_options`). With ``cfg.deterministic`` also XLA's
     ``xla_gpu_deterministic_ops`` (on every backend: the CPU's compiler takes the option and
-    ignores it, so a misspelt option fails the CPU tests too).
+    ignores it, so a misspelt option fails the CPU tests too). XLA's
+    ``xla_allow_excess_precision``, on every backend: ``cfg.xla_excess_precision`` where set;
+    unset, off for precision ``coat`` (:func:`excess_precision`).
     """
     options = dict(fp8_compiler_options() or {})
     if cfg.deterministic:
         options["xla_gpu_deterministic_ops"] = True
+    excess = excess_precision(cfg)
+    if excess is not None:
+        options["xla_allow_excess_precision"] = excess
     return options or None
 
 

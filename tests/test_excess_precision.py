@@ -1,0 +1,76 @@
+"""The trainer's ``xla_excess_precision``: XLA's ``xla_allow_excess_precision`` for its programs.
+
+Unset (``null``) it is off for precision ``coat`` (measured faster on the H200) and XLA's own
+default otherwise; ``true`` and ``false`` reach the compiled training step and evaluation (the jits' compiler options are
+checked to reach both in tests/test_train.py). The flag's effect is checked on the CPU: without
+excess precision a jitted chain of bfloat16 ops rounds after every op, as the ops one by one do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax.training import load_config
+from coat_jax.training.loop import build_program, compiler_options, next_token_loss
+from tests.tiny_runs import tiny_run
+
+RUN = [*tiny_run(layers=1, batch_size=2), "compilation_cache_dir=null", "precision=coat"]
+
+
+def _chain(x):
+    y = jnp.sin(x.astype(jnp.bfloat16)) * jnp.bfloat16(3)
+    return jnp.exp(y).astype(jnp.float32)
+
+
+def test_without_excess_precision_bfloat16_rounds_after_every_op():
+    x = jnp.linspace(0.0, 3.0, 4096, dtype=jnp.float32)
+    op_by_op = _chain(x)  # each op its own program: every result is rounded to bfloat16
+    rounded = jax.jit(_chain, compiler_options={"xla_allow_excess_precision": False})(x)
+    kept = jax.jit(_chain, compiler_options={"xla_allow_excess_precision": True})(x)
+    np.testing.assert_array_equal(np.asarray(rounded), np.asarray(op_by_op))
+    # With XLA's default on the CPU the intermediates stay float32: most results differ.
+    assert int((kept != op_by_op).sum()) > x.size // 2
+
+
+@pytest.mark.parametrize("value", [None, True, False])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "coat"])
+def test_the_option_becomes_xlas(value, precision):
+    extra = [] if value is None else [f"xla_excess_precision={str(value).lower()}"]
+    optimizer = "coat_adamw" if precision == "coat" else "adamw"
+    cfg = load_config(None, [*RUN, f"precision={precision}", f"optimizer={optimizer}", *extra])
+    assert cfg.xla_excess_precision is value
+    options = compiler_options(cfg) or {}
+    if value is not None:
+        assert options["xla_allow_excess_precision"] is value
+    elif precision == "coat":  # the measured default: COAT rounds its bfloat16 intermediates
+        assert options["xla_allow_excess_precision"] is False
+    else:  # XLA's own default
+        assert "xla_allow_excess_precision" not in options
+
+
+def test_the_trainers_loss_without_excess_precision():
+    """The trainer's loss compiled with ``xla_excess_precision=false`` runs and its loss agrees
+    with XLA's default's to bfloat16 rounding (only where intermediates are rounded changes)."""
+    losses = {}
+    for value in ("true", "false"):
+        cfg = load_config(None, [*RUN, f"xla_excess_precision={value}"])
+        program = build_program(cfg, cfg.model)
+        params = program.init_params(jax.random.key(0))
+        tokens = jax.random.randint(
+            jax.random.key(1), (2, cfg.seq_len + 1), 0, cfg.model.vocab_size
+        )
+        loss = jax.jit(
+            lambda p, t, m=program.model_def: next_token_loss(m, p, t),
+            compiler_options=compiler_options(cfg),
+        )
+        losses[value] = float(loss(params, tokens))
+    assert np.isfinite(losses["false"])
+    assert abs(losses["false"] - losses["true"]) < 1e-2 * abs(losses["true"])
+
+
+def test_a_wrong_value_names_the_option():
+    with pytest.raises(ValueError, match="xla_excess_precision"):
+        load_config(None, [*RUN, "xla_excess_precision=maybe"])
