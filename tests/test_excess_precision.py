@@ -1,7 +1,7 @@
 """The trainer's ``xla_excess_precision``: XLA's ``xla_allow_excess_precision`` for its programs.
 
-Unset (``null``) it is off for precision ``coat`` (measured faster on the H200) and XLA's own
-default otherwise; ``true`` and ``false`` reach the compiled training step and evaluation (the jits' compiler options are
+Unset (``null``) it is off for precision ``coat`` on a GPU (measured faster on the H200) and
+XLA's own default otherwise; ``true`` and ``false`` reach the compiled training step and evaluation (the jits' compiler options are
 checked to reach both in tests/test_train.py). The flag's effect is checked on the CPU: without
 excess precision a jitted chain of bfloat16 ops rounds after every op, as the ops one by one do.
 """
@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 
 from coat_jax.training import load_config
-from coat_jax.training.loop import build_program, compiler_options, next_token_loss
+from coat_jax.training.loop import (
+    build_program,
+    compiler_options,
+    excess_precision,
+    next_token_loss,
+)
 from tests.tiny_runs import tiny_run
 
 RUN = [*tiny_run(layers=1, batch_size=2), "compilation_cache_dir=null", "precision=coat"]
@@ -43,12 +48,30 @@ def test_the_option_becomes_xlas(value, precision):
     cfg = load_config(None, [*RUN, f"precision={precision}", f"optimizer={optimizer}", *extra])
     assert cfg.xla_excess_precision is value
     options = compiler_options(cfg) or {}
+    on_gpu = jax.default_backend() == "gpu"
     if value is not None:
         assert options["xla_allow_excess_precision"] is value
-    elif precision == "coat":  # the measured default: COAT rounds its bfloat16 intermediates
+    elif precision == "coat" and on_gpu:  # the measured default: COAT rounds its intermediates
         assert options["xla_allow_excess_precision"] is False
     else:  # XLA's own default
         assert "xla_allow_excess_precision" not in options
+    # The default per backend, whichever this one is: off for COAT on a GPU only.
+    expected_gpu = value if value is not None else (False if precision == "coat" else None)
+    assert excess_precision(cfg, "gpu") is expected_gpu
+    assert excess_precision(cfg, "cpu") is value
+
+
+def test_the_cpu_default_leaves_the_step_traceable_inside_another_trace():
+    """Unset on the CPU, COAT's step carries no compiler options, so it can be traced inside
+    another (JAX refuses ``compiler_options`` on a nested jit); set, the option is the user's."""
+    cfg = load_config(None, RUN)
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU default")
+    assert compiler_options(cfg) is None
+    program = build_program(cfg, cfg.model)
+    jax.make_jaxpr(program.step_fn)(
+        program.abstract_params, program.abstract_opt_state, program.abstract_batch()
+    )
 
 
 def test_the_trainers_loss_without_excess_precision():

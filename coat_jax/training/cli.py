@@ -113,8 +113,8 @@ DESCRIPTIONS = {
     "deterministic": "compile with XLA's xla_gpu_deterministic_ops and XLA's attention, so "
     "that a single-GPU run repeats bit for bit (slower)",
     "xla_excess_precision": "XLA's xla_allow_excess_precision (false: bfloat16 "
-    "intermediates cross memory as bfloat16, not float32; null: false for coat, XLA's own "
-    "default otherwise)",
+    "intermediates cross memory as bfloat16, not float32; null: false for coat on a GPU, "
+    "XLA's own default otherwise)",
     "mesh.data": "data-parallel size (-1: all remaining devices)",
     "mesh.fsdp": "parameter-sharding (FSDP) size (-1: all remaining devices)",
 }

@@ -154,7 +154,7 @@ class TrainConfig:
       lets XLA keep a bfloat16 intermediate in float32 between two fusions (it removes the
       round trip through bfloat16); ``false`` rounds every bfloat16 value the program names,
       so those tensors cross memory in 2 bytes instead of 4. ``null``: the measured default,
-      ``false`` for precision ``coat`` and XLA's own otherwise
+      ``false`` for precision ``coat`` on a GPU and XLA's own otherwise
       (``coat_jax.training.loop.excess_precision``, docs/bench_excess_precision.md).
     - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
       or ``coat``) the range of the FP8 activation scales to the metrics records written

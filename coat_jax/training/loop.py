@@ -496,17 +496,23 @@ class TrainProgram:
         return jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
 
 
-def excess_precision(cfg: TrainConfig) -> bool | None:
+def excess_precision(cfg: TrainConfig, backend: str | None = None) -> bool | None:
     """XLA's ``xla_allow_excess_precision`` for ``cfg``'s programs; ``None``: XLA's default.
 
-    ``cfg.xla_excess_precision`` where set. Unset: ``False`` for precision ``coat``, where
-    rounding every bfloat16 intermediate was measured faster on the H200 (Llama-2-7B batch 1
-    2.1% faster, step times apart; BF16's step was not faster, so it keeps XLA's default, and
-    ``fp8`` was not measured: docs/bench_excess_precision.md).
+    ``cfg.xla_excess_precision`` where set. Unset: ``False`` for precision ``coat`` on a GPU
+    backend, where rounding every bfloat16 intermediate was measured faster on the H200
+    (Llama-2-7B batch 1 2.1% faster, step times apart; BF16's step was not faster, so it keeps
+    XLA's default, and ``fp8`` was not measured: docs/bench_excess_precision.md). Elsewhere
+    XLA's default: nothing was measured there, and a jit without compiler options can still be
+    traced inside another (``jax.make_jaxpr(program.step_fn)``), which JAX refuses for one with
+    options.
     """
     if cfg.xla_excess_precision is not None:
         return bool(cfg.xla_excess_precision)
-    return False if cfg.precision == "coat" else None
+    backend = backend or jax.default_backend()
+    if cfg.precision == "coat" and backend in ("gpu", "cuda", "rocm"):
+        return False
+    return None
 
 
 def compiler_options(cfg: TrainConfig) -> dict | None:
@@ -517,7 +523,7 @@ def compiler_options(cfg: TrainConfig) -> dict | None:
     ``xla_gpu_deterministic_ops`` (on every backend: the CPU's compiler takes the option and
     ignores it, so a misspelt option fails the CPU tests too). XLA's
     ``xla_allow_excess_precision``, on every backend: ``cfg.xla_excess_precision`` where set;
-    unset, off for precision ``coat`` (:func:`excess_precision`).
+    unset, off for precision ``coat`` on a GPU (:func:`excess_precision`).
     """
     options = dict(fp8_compiler_options() or {})
     if cfg.deterministic:
