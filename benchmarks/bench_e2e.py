@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -229,6 +230,11 @@ def worker(args) -> None:
         hlo = compiled.as_text() or ""
         calls = C.custom_call_counts(hlo)
         compiled_cache[batch], mem_cache[batch] = compiled, mem
+        if args.hlo_dir:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{base['setting']}_b{batch}.hlo.txt")
+            with open(os.path.join(args.hlo_dir, name), "w") as f:
+                f.write(hlo)
         record(
             "compile",
             batch=batch,
@@ -717,6 +723,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--profile-reps", type=int, default=0, help="trace this many steps at the equal batch"
     )
+    p.add_argument("--hlo-dir", default=None, help="write each compiled step's HLO text here")
     p.add_argument("--config", default=CONFIG_7B, help="the train.py config (llama2_7b.yaml)")
     p.add_argument("--out-dir", default="runs/bench_e2e")
     p.add_argument("--docs", default=None, help="write the markdown table here")
@@ -761,6 +768,7 @@ def main(argv=None) -> None:
         f"--max-search-compiles={args.max_search_compiles}",
         f"--profile-reps={args.profile_reps}",
         f"--jsonl={jsonl}",
+        *([f"--hlo-dir={os.path.abspath(args.hlo_dir)}"] if args.hlo_dir else []),
         f"--config={os.path.abspath(args.config)}",
     ]
     passthrough += ["--tiny"] if args.tiny else []

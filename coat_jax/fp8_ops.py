@@ -322,6 +322,15 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger
 GPU_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in GPU_COMPILER_OPTIONS.items())
 
 
+GPU_BACKENDS = ("gpu", "cuda", "rocm")
+
+
+def is_gpu_backend(backend: str | None = None) -> bool:
+    """Whether ``backend`` (default: JAX's default backend) is a GPU platform by any of the
+    names JAX gives one (``gpu``, ``cuda``, ``rocm``)."""
+    return (backend or jax.default_backend()) in GPU_BACKENDS
+
+
 def fp8_compiler_options(backend: str | None = None) -> dict | None:
     """``jax.jit(..., compiler_options=...)`` for programs that use the FP8 linears.
 
@@ -333,8 +342,7 @@ def fp8_compiler_options(backend: str | None = None) -> dict | None:
     Example:
       >>> step = jax.jit(lambda x: x + 1, compiler_options=fp8_compiler_options())
     """
-    backend = backend or jax.default_backend()
-    return dict(GPU_COMPILER_OPTIONS) if backend in ("gpu", "cuda", "rocm") else None
+    return dict(GPU_COMPILER_OPTIONS) if is_gpu_backend(backend) else None
 
 
 def _fp8_dot(a, b, contracting, config, compute_dtype, out_dtype):

@@ -32,7 +32,7 @@ import yaml
 from flax import nnx
 
 from coat_jax.checkpoint_io import from_pretrained
-from coat_jax.fp8_ops import fp8_compiler_options
+from coat_jax.fp8_ops import fp8_compiler_options, is_gpu_backend
 from coat_jax.generate import sample_text
 from coat_jax.llama import Llama, LlamaConfig, relayout
 from coat_jax.losses import cross_entropy_from_hidden
@@ -509,8 +509,7 @@ def excess_precision(cfg: TrainConfig, backend: str | None = None) -> bool | Non
     """
     if cfg.xla_excess_precision is not None:
         return bool(cfg.xla_excess_precision)
-    backend = backend or jax.default_backend()
-    if cfg.precision == "coat" and backend in ("gpu", "cuda", "rocm"):
+    if cfg.precision == "coat" and is_gpu_backend(backend):
         return False
     return None
 
