@@ -136,6 +136,7 @@ DERIVED_LINES = {
 }
 GPU_PLANE_PREFIX = "/device:GPU:"
 TOP_KERNELS = 10
+TOP_HLO_OPS = 5  # HLO instructions listed per kernel name in the split's ``top``
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 
@@ -375,7 +376,8 @@ def time_split(
       ``kernel_ms`` (summed kernel time per step), ``busy_ms`` (time some kernel ran per step),
       ``kernels_per_step``, ``categories`` (``{category: {"ms", "pct", "kernels"}}``, ms and
       kernels per step, pct of ``kernel_ms``; every category, summing to the totals),
-      ``top`` (``[{"name", "category", "ms", "kernels"}]`` per step) and ``hlo_matched`` (the
+      ``top`` (``[{"name", "category", "ms", "kernels", "hlo_ops"}]`` per step; ``hlo_ops``
+      the instructions that launched it, longest first) and ``hlo_matched`` (the
       fraction of kernels whose HLO instruction was found, by ``hlo_op`` or by name).
     """
     if reps <= 0:
@@ -390,9 +392,10 @@ def time_split(
         matched += bool((e.hlo_op and e.hlo_op in hlo_categories) or e.name in hlo_categories)
         ns[category] += e.duration_ns
         count[category] += 1
-        entry = by_name.setdefault(e.name, [category, 0.0, 0])
+        entry = by_name.setdefault(e.name, [category, 0.0, 0, Counter()])
         entry[1] += e.duration_ns
         entry[2] += 1
+        entry[3][e.hlo_op] += e.duration_ns
     total = sum(ns.values())
     per_step_ms = lambda n: n / reps / 1e6
     categories = {
@@ -410,8 +413,15 @@ def time_split(
         "kernels_per_step": len(events) / reps,
         "categories": categories,
         "top": [
-            {"name": n, "category": c, "ms": per_step_ms(t), "kernels": k / reps}
-            for n, (c, t, k) in longest
+            {
+                "name": n,
+                "category": c,
+                "ms": per_step_ms(t),
+                "kernels": k / reps,
+                # The HLO instructions that launched it, longest first (None: no hlo_op stat).
+                "hlo_ops": [op for op, _ in ops.most_common(TOP_HLO_OPS)],
+            }
+            for n, (c, t, k, ops) in longest
         ],
         "hlo_matched": matched / len(events),
     }

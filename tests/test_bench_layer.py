@@ -163,6 +163,12 @@ def test_time_split_sums_to_the_total():
     top = split["top"]
     assert [t["name"] for t in top] == sorted(by_name, key=by_name.get, reverse=True)[:3]
     assert top[0]["category"] == "attention" and top[0]["kernels"] == 1
+    # Which HLO instruction launched each kernel, where the trace says (hlo_op).
+    assert top[0]["hlo_ops"] == [None]
+    assert [t["hlo_ops"] for t in B.time_split(events, 2, hlo, top=5)["top"]][2:4] == [
+        ["custom-call.1"],
+        ["fusion.7"],
+    ]
     assert split["hlo_matched"] == pytest.approx(2 / 5)
 
 
@@ -292,6 +298,9 @@ def test_write_docs_shows_a_traced_split():
     assert "| 5.00 |" in main and "| 17 |" in main
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="the CPU smoke test: it checks the CPU's untraced split"
+)
 def test_tiny_run_on_the_cpu(tmp_path):
     """The smoke test: both programs per mode, the CPU's 'no GPU kernels', the docs' columns."""
     out, docs = tmp_path / "layer", tmp_path / "layer.md"
