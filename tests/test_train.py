@@ -272,12 +272,16 @@ def test_resume_is_bit_exact(tmp_path, cache_dir):
 
 def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_dir):
     """``deterministic=true`` compiles with ``xla_gpu_deterministic_ops`` (a misspelt option would
-    fail to compile here too); on the CPU, deterministic anyway, the run is the same bit for bit."""
+    fail to compile here too); on the CPU, deterministic anyway, the run is the same bit for bit.
+    On a GPU the option may choose other kernels, so the numbers are compared on the CPU only
+    (this test failed on the H200 when it compared them there)."""
     from coat_jax.training.loop import compiler_options
 
     assert "xla_gpu_deterministic_ops" not in (compiler_options(tiny(tmp_path, cache_dir)) or {})
     cfg = tiny(tmp_path / "det", cache_dir, "steps=6", "deterministic=true")
     assert compiler_options(cfg)["xla_gpu_deterministic_ops"] is True
+    if jax.default_backend() != "cpu":
+        pytest.skip("the same numbers with and without the option: the CPU only")
     det = train(cfg)
     plain = train(tiny(tmp_path / "plain", cache_dir, "steps=6"))
     assert losses(tmp_path / "det") == losses(tmp_path / "plain")
