@@ -43,7 +43,10 @@ FP8 tensors made by XLA's own quantizer pass :func:`materialize` (an optimizatio
 that XLA cannot fold the quantize-dequantize round trip back into the unquantized value. On a GPU
 the default ``implementation="auto"`` quantizes in Pallas kernels, whose FP8 outputs XLA cannot
 see through; there the linear layers' codes skip the barrier, which would otherwise hide them from
-XLA's FP8 GEMM rewriter.
+XLA's FP8 GEMM rewriter. A program compiled without excess precision
+(``xla_allow_excess_precision=False``) cannot fold the round trip: ``FP8Config(codes_barrier=False)``
+leaves the barrier out there, so that a scanned model's forward can write its kept codes straight
+into the stacked residuals (an option: measured 0.78% slower in the trainer's Llama-2-7B step).
 
 Forward outputs are computed from the exact inputs in float32 (only what backward keeps is
 quantized), which costs no memory and keeps the forward as accurate as BF16 outside the GEMMs.
@@ -168,6 +171,14 @@ class FP8Config:
         :func:`fp8_swiglu`, keeping gate and up only and recomputing the SiLU in backward from
         the FP8 gate: one intermediate-size FP8 tensor (and its scales) less per layer, and
         one quantization less each way. Beyond COAT (docs/memory_options.md, "Fused SwiGLU").
+      codes_barrier: pass the FP8 codes that XLA's own quantizers make through
+        :func:`materialize` (default ``True``). Needed wherever the program may be compiled with
+        XLA's excess precision (its default), which can fold a quantize-dequantize round trip
+        back into the unquantized value. ``False`` is for programs compiled with
+        ``xla_allow_excess_precision=False``, where nothing folds: XLA may then write the
+        kept codes straight into a scanned model's stacked residuals instead of into a buffer
+        of their own that a device copy moves there (measured smaller and slower in the
+        trainer's step: docs/bench_codes_barrier.md).
     """
 
     act_format: str = "e4m3"
@@ -183,6 +194,7 @@ class FP8Config:
     group_scale: str = "float32"
     attention: str = "auto"
     swiglu: str = "coat"
+    codes_barrier: bool = True
 
     def __post_init__(self):
         if self.gemm_dequant not in GEMM_DEQUANT:
@@ -283,6 +295,11 @@ def materialize(tree):
     return jax.lax.optimization_barrier(tree)
 
 
+def _pin(tree, config: FP8Config):
+    """:func:`materialize` unless ``config.codes_barrier`` is off."""
+    return materialize(tree) if config.codes_barrier else tree
+
+
 def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False) -> quant.QuantizedTensor:
     """Per-tensor codes and scale of ``x``, an activation (on a kernel mesh: split along its
     leading axis over the batch axes) or, with ``weight=True``, a weight (split by the FSDP
@@ -309,7 +326,7 @@ def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False) -> quant.Qua
 def _per_tensor_xla(x, fmt, config: FP8Config) -> quant.QuantizedTensor:
     """XLA's per-tensor quantizer (the reference), pinned by :func:`materialize`."""
     kw = dict(fmt=fmt, group_size=config.group_size)
-    return materialize(fp8_quant.quantize_per_tensor_reference(x, **kw))
+    return _pin(fp8_quant.quantize_per_tensor_reference(x, **kw), config)
 
 
 # XLA options under which the FP8 GEMMs compile to cuBLASLt FP8 on a GPU (H200, JAX 0.11.2,
@@ -669,7 +686,7 @@ def _fp8_rmsnorm_fwd(x, weight, eps, config):
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rmsnorm weight must have shape {x.shape[-1:]}, got {weight.shape}")
     y, x_q, rstd = fp8_act.rmsnorm_fwd(x, weight, eps, **config.quantize_kwargs())
-    return y, (*keep((materialize(x_q), rstd)), weight)
+    return y, (*keep((_pin(x_q, config), rstd)), weight)
 
 
 def _fp8_rmsnorm_bwd(eps, config, res, dy):
@@ -690,7 +707,7 @@ def fp8_silu(x: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> jax.Array:
 def _fp8_silu_fwd(x, config):
     _check_float("x", x)
     y, x_q = fp8_act.silu_fwd(x, **config.quantize_kwargs())
-    return y, keep(materialize(x_q))
+    return y, keep(_pin(x_q, config))
 
 
 def _fp8_silu_bwd(config, res, dy):
@@ -709,7 +726,7 @@ def fp8_mul(a: jax.Array, b: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> j
 def _fp8_mul_fwd(a, b, config):
     _check_pair("fp8_mul", a, b)
     y, a_q, b_q = fp8_act.mul_fwd(a, b, **config.quantize_kwargs())
-    return y, keep(materialize((a_q, b_q)))
+    return y, keep(_pin((a_q, b_q), config))
 
 
 def _fp8_mul_bwd(config, res, dy):
@@ -732,7 +749,7 @@ def fp8_swiglu(gate: jax.Array, up: jax.Array, config: FP8Config = DEFAULT_CONFI
 def _fp8_swiglu_fwd(gate, up, config):
     _check_pair("fp8_swiglu", gate, up)
     y, gate_q, up_q = fp8_act.swiglu_fwd(gate, up, **config.quantize_kwargs())
-    return y, keep(materialize((gate_q, up_q)))
+    return y, keep(_pin((gate_q, up_q), config))
 
 
 def _fp8_swiglu_bwd(config, res, dy):
@@ -786,7 +803,7 @@ def _fp8_attention_fwd(q, k, v, is_causal, config):
             )
     out = _attend(q, k, v, is_causal, config.attention)
     saved = [fp8_quant.quantize_per_group(t, **config.quantize_kwargs()) for t in (q, k, v)]
-    return out, keep(materialize(tuple(saved)))
+    return out, keep(_pin(tuple(saved), config))
 
 
 def _fp8_attention_bwd(is_causal, config, res, dy):

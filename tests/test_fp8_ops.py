@@ -211,6 +211,69 @@ def test_fp8_path_really_quantizes(op, config):
     assert not any(r.dtype in FP8_DTYPES for r in residuals(fns[1], *args))
 
 
+NO_EXCESS = {"xla_allow_excess_precision": False}
+
+
+def _barriers(fn, *args) -> int:
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=0))(*args)
+    return str(jaxpr).count("optimization_barrier")
+
+
+def _codes_op(op, config):
+    """``op`` of the coat set as a function of arrays (``None`` config: the plain BF16 one)."""
+    eps = 1e-6
+    if config is None:
+        plain = ops_for("bf16")
+        return {
+            "linear": plain.linear,
+            "rmsnorm": lambda x, w: plain.rmsnorm(x, w, eps),
+            "silu": plain.silu,
+            "mul": plain.mul,
+            "swiglu": lambda g, u: plain.mul(plain.silu(g), u),
+            "attention": None,
+        }[op]
+    return {
+        "linear": lambda x, w: fp8_ops.fp8_linear(x, w, config),
+        "rmsnorm": lambda x, w: fp8_ops.fp8_rmsnorm(x, w, eps, config),
+        "silu": lambda x: fp8_ops.fp8_silu(x, config),
+        "mul": lambda a, b: fp8_ops.fp8_mul(a, b, config),
+        "swiglu": lambda g, u: fp8_ops.fp8_swiglu(g, u, config),
+        "attention": lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, config),
+    }[op]
+
+
+@pytest.mark.parametrize("op", ["linear", "rmsnorm", "silu", "mul", "swiglu", "attention"])
+def test_codes_barrier_off_keeps_the_fp8_numbers_without_excess_precision(op):
+    """``codes_barrier=False`` drops the optimization barrier on the kept codes; compiled
+    without excess precision (where XLA cannot fold the round trip) the gradients are those of
+    the barrier's program, not the unquantized ones: on the CPU and on a GPU, whose compiler
+    folds FP8 round trips under excess precision."""
+    keys = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(keys[0], (4, 16, 64))
+    other = {
+        "linear": (0.1 * jax.random.normal(keys[1], (64, 32)),),
+        "rmsnorm": (1.0 + 0.1 * jax.random.normal(keys[1], (64,)),),
+        "mul": (jax.random.normal(keys[1], (4, 16, 64)),),
+        "swiglu": (jax.random.normal(keys[1], (4, 16, 64)),),
+        "silu": (),
+        "attention": tuple(jax.random.normal(k, (4, 16, 2, 32)) for k in keys[2:]),
+    }[op]
+    if op == "attention":
+        x = x.reshape(4, 16, 2, 32)
+    args = (x, *other)
+    found = {}
+    for barrier in (True, False):
+        fn = _codes_op(op, dataclasses.replace(XLA, codes_barrier=barrier))
+        assert (_barriers(fn, *args) > 0) is barrier, op
+        found[barrier] = jax.jit(lambda *a, fn=fn: grads(fn, *a), compiler_options=NO_EXCESS)(*args)
+    for with_barrier, without in zip(found[True], found[False], strict=True):
+        assert rel_err(without, with_barrier) < 1e-5, op
+    plain = _codes_op(op, None)
+    if plain is not None:  # really quantized: a quantization amount from the plain op
+        reference = grads(plain, *args)
+        assert max(rel_err(a, b) for a, b in zip(found[False], reference, strict=True)) > 1e-3
+
+
 def test_fp8_paths_work_under_jit_and_with_pallas_interpret():
     cfg = FP8Config(implementation="pallas", interpret=True)
     x = jax.random.normal(jax.random.key(8), (2, 8, 64), jnp.bfloat16)

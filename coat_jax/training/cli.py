@@ -115,6 +115,8 @@ DESCRIPTIONS = {
     "xla_excess_precision": "XLA's xla_allow_excess_precision (false: bfloat16 "
     "intermediates cross memory as bfloat16, not float32; null: false for coat on a GPU, "
     "XLA's own default otherwise)",
+    "fp8_codes_barrier": "optimization barrier on the FP8 codes kept for backward (false "
+    "needs xla_excess_precision=false: 0.65 GiB less, 0.78% slower at 7B batch 20)",
     "mesh.data": "data-parallel size (-1: all remaining devices)",
     "mesh.fsdp": "parameter-sharding (FSDP) size (-1: all remaining devices)",
 }

@@ -128,6 +128,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         swiglu=cfg.fp8_swiglu,
         gemm_output=cfg.fp8_gemm_output,
         attention="xla" if cfg.deterministic else "auto",
+        codes_barrier=codes_barrier(cfg),
         **kernel_options(cfg, fp8_ops=True),
         **placement,
     )
@@ -512,6 +513,22 @@ def excess_precision(cfg: TrainConfig, backend: str | None = None) -> bool | Non
     if cfg.precision == "coat" and is_gpu_backend(backend):
         return False
     return None
+
+
+def codes_barrier(cfg: TrainConfig, backend: str | None = None) -> bool:
+    """``FP8Config.codes_barrier`` for ``cfg``'s model: ``cfg.fp8_codes_barrier``, checked.
+
+    ``False`` (no optimization barrier on the FP8 codes XLA's quantizers make for backward) is
+    refused unless :func:`excess_precision` is ``False`` on ``backend``: under XLA's excess
+    precision the kept "FP8" activations could silently be the unquantized values.
+    """
+    if not cfg.fp8_codes_barrier and excess_precision(cfg, backend) is not False:
+        raise ValueError(
+            "fp8_codes_barrier=false needs the step compiled without excess precision, and "
+            "xla_excess_precision resolves to XLA's default on this backend: set "
+            "xla_excess_precision=false, or fp8_codes_barrier=true"
+        )
+    return bool(cfg.fp8_codes_barrier)
 
 
 def compiler_options(cfg: TrainConfig) -> dict | None:
