@@ -324,7 +324,8 @@ def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False) -> quant.Qua
 
 
 def _per_tensor_xla(x, fmt, config: FP8Config) -> quant.QuantizedTensor:
-    """XLA's per-tensor quantizer (the reference), pinned by :func:`materialize`."""
+    """XLA's per-tensor quantizer (the reference), pinned by :func:`materialize` unless
+    ``config.codes_barrier`` is off."""
     kw = dict(fmt=fmt, group_size=config.group_size)
     return _pin(fp8_quant.quantize_per_tensor_reference(x, **kw), config)
 

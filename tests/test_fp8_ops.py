@@ -220,26 +220,21 @@ def _barriers(fn, *args) -> int:
 
 
 def _codes_op(op, config):
-    """``op`` of the coat set as a function of arrays (``None`` config: the plain BF16 one)."""
-    eps = 1e-6
-    if config is None:
-        plain = ops_for("bf16")
-        return {
-            "linear": plain.linear,
-            "rmsnorm": lambda x, w: plain.rmsnorm(x, w, eps),
-            "silu": plain.silu,
-            "mul": plain.mul,
-            "swiglu": lambda g, u: plain.mul(plain.silu(g), u),
-            "attention": None,
-        }[op]
-    return {
-        "linear": lambda x, w: fp8_ops.fp8_linear(x, w, config),
-        "rmsnorm": lambda x, w: fp8_ops.fp8_rmsnorm(x, w, eps, config),
-        "silu": lambda x: fp8_ops.fp8_silu(x, config),
-        "mul": lambda a, b: fp8_ops.fp8_mul(a, b, config),
-        "swiglu": lambda g, u: fp8_ops.fp8_swiglu(g, u, config),
-        "attention": lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, config),
-    }[op]
+    """``op`` of ``ops_for("coat", config)`` (SwiGLU fused) as a function of arrays; ``None``
+    config: the plain BF16 op (none for attention)."""
+    if op == "attention":
+        return (
+            None if config is None else lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, config)
+        )
+    ops = (
+        ops_for("bf16")
+        if config is None
+        else ops_for("coat", dataclasses.replace(config, swiglu="fused"))
+    )
+    if op == "swiglu" and config is None:
+        return lambda g, u: ops.mul(ops.silu(g), u)
+    fn = getattr(ops, op)
+    return (lambda x, w: fn(x, w, 1e-6)) if op == "rmsnorm" else fn
 
 
 @pytest.mark.parametrize("op", ["linear", "rmsnorm", "silu", "mul", "swiglu", "attention"])
