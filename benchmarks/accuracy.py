@@ -107,6 +107,25 @@ MODES = {
         "fp8_swiglu=fused",
         _EXCESS,
     ],
+    # FP8 attention (q, k, v kept in FP8, Llama(fp8_attention=True)): its backward re-runs the
+    # forward (FP8Config.attention_backward="recompute"), or reads the output from the o_proj's
+    # FP8 input and keeps the softmax statistics ("saved_output").
+    # Both as coat_rounded otherwise.
+    "coat_fp8attn": [
+        "precision=coat",
+        "optimizer=coat_adamw",
+        "fp8_kernels=xla",
+        "xla_excess_precision=false",
+        "fp8_attention=true",
+    ],
+    "coat_fp8attn_saved": [
+        "precision=coat",
+        "optimizer=coat_adamw",
+        "fp8_kernels=xla",
+        "xla_excess_precision=false",
+        "fp8_attention=true",
+        "fp8_attention_backward=saved_output",
+    ],
     # coat_xla with every bfloat16 intermediate rounded (xla_excess_precision=false, COAT's
     # default since 2026-12-03).
     "coat_rounded": [
@@ -127,6 +146,8 @@ MODE_TITLES = {
     "coat_xla": "COAT + coat_adamw, FP8 activation ops as XLA fusions",
     "coat_swiglu": "COAT + coat_adamw, fused FP8 SwiGLU (XLA fusions)",
     "coat_rounded": "COAT + coat_adamw, XLA fusions, no excess precision",
+    "coat_fp8attn": "COAT + coat_adamw, as coat_rounded, FP8 attention (forward re-run in backward)",
+    "coat_fp8attn_saved": "COAT + coat_adamw, as coat_rounded, FP8 attention (saved output, no re-run)",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.

@@ -21,7 +21,11 @@ op                  saved for backward                          format
 
 ``fp8_swiglu`` and ``fp8_attention`` go beyond COAT (which keeps the SiLU output, and BF16 q, k,
 v); a model opts in: :func:`ops_for` gives ``fp8_swiglu`` as its ``swiglu`` op with
-``FP8Config(swiglu="fused")``, and ``Llama(fp8_attention=True)`` takes ``fp8_attention``.
+``FP8Config(swiglu="fused")``, and ``Llama(fp8_attention=True)`` takes ``fp8_attention`` (or,
+with ``FP8Config(attention_backward="saved_output")``, ``fp8_attention_linear``: attention and
+the o_proj as one op that keeps q, k, v as ``fp8_attention`` does, the o_proj's FP8 input
+and the float32 softmax statistics, and whose backward reads that input, the attention output,
+instead of re-running the attention forward).
 
 FP8 linear: input and weight are quantized to E4M3 with per-tensor scales computed just in time
 by group scaling; the forward GEMM is written as ``dot(convert(x_fp8) * s_x, convert(w_fp8) *
@@ -65,7 +69,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from coat_jax import quant
+from coat_jax import attention, quant
 from pallas_kernels import fp8_act, fp8_quant
 from pallas_kernels._dispatch import check_implementation, dispatch
 from pallas_kernels.sharding import KernelMesh
@@ -89,6 +93,10 @@ WEIGHT = "fp8_weight"
 WEIGHT_RESIDUALS = ("master", "fp8", "once")
 # Attention's kernel: "auto" is cuDNN's fused attention on a GPU in BF16, XLA's elsewhere.
 ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")
+# What ``fp8_attention`` keeps to run attention's backward (``FP8Config.attention_backward``):
+# "recompute" re-runs the forward from the FP8 q, k, v; "saved_output" takes the output from
+# the o_proj's FP8 input codes and keeps the softmax statistics (``fp8_attention_linear``).
+ATTENTION_BACKWARDS = ("recompute", "saved_output")
 # The MLP's SiLU and product in the coat precision (``FP8Config.swiglu``): "coat" as COAT, one
 # op each (three 1xG tensors kept), "fused" one ``fp8_swiglu`` (two kept).
 SWIGLU_OPS = ("coat", "fused")
@@ -165,6 +173,15 @@ class FP8Config:
         ``xla_gpu_deterministic_ops`` while the float32 step, on XLA's attention, compiled;
         the cause is not located, and that XLA's attention avoids it is not verified there); ``"cudnn"``
         cuDNN's (GPU only).
+      attention_backward: what a model with FP8 attention (``Llama(fp8_attention=True)``) runs
+        attention's backward from. ``"recompute"`` (default): :func:`fp8_attention` keeps the
+        FP8 q, k, v and re-runs the attention forward in backward for its output and softmax
+        statistics. ``"saved_output"``: :func:`fp8_attention_linear` (attention and the o_proj
+        as one op) keeps the same FP8 q, k, v plus the float32 log-sum-exp (4 bytes per query
+        row and head) and takes the output from the E4M3 codes the o_proj keeps anyway: no
+        forward re-run. Its gradients are those of the backward at the dequantized q, k, v
+        with the forward's statistics and the FP8 output, slightly further from the exact
+        ones than the re-run's (tests/test_fp8_ops.py measures both; docs/memory_options.md).
       swiglu: the MLP's ``silu(gate) * up`` in the ``coat`` precision (:func:`ops_for`'s
         ``swiglu`` op). ``"coat"`` (default, COAT): ``fp8_silu`` then ``fp8_mul``, keeping
         gate, the SiLU output and up in FP8 (three intermediate-size tensors). ``"fused"``: one
@@ -193,6 +210,7 @@ class FP8Config:
     weight_residual: str = "master"
     group_scale: str = "float32"
     attention: str = "auto"
+    attention_backward: str = "recompute"
     swiglu: str = "coat"
     codes_barrier: bool = True
 
@@ -223,6 +241,13 @@ class FP8Config:
             raise ValueError(
                 f"attention={self.attention!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}: "
                 "'auto' runs cuDNN's fused attention on a GPU in BF16, 'xla' XLA's everywhere"
+            )
+        if self.attention_backward not in ATTENTION_BACKWARDS:
+            raise ValueError(
+                f"attention_backward={self.attention_backward!r} is not one of "
+                f"{list(ATTENTION_BACKWARDS)}: 'recompute' re-runs FP8 attention's forward in "
+                "backward, 'saved_output' keeps its softmax statistics and reads the output from "
+                "the o_proj's FP8 input"
             )
         if self.swiglu not in SWIGLU_OPS:
             raise ValueError(
@@ -794,7 +819,7 @@ def fp8_attention(
     return _fp8_attention_fwd(q, k, v, is_causal, config)[0]
 
 
-def _fp8_attention_fwd(q, k, v, is_causal, config):
+def _check_attention_inputs(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_float(name, t)
         if t.ndim != 4 or t.dtype != q.dtype:
@@ -802,6 +827,10 @@ def _fp8_attention_fwd(q, k, v, is_causal, config):
                 f"fp8_attention needs [B, T, N, H] arrays of one dtype; got {name} "
                 f"{t.shape} {t.dtype} (q is {q.shape} {q.dtype})"
             )
+
+
+def _fp8_attention_fwd(q, k, v, is_causal, config):
+    _check_attention_inputs(q, k, v)
     out = _attend(q, k, v, is_causal, config.attention)
     saved = [fp8_quant.quantize_per_group(t, **config.quantize_kwargs()) for t in (q, k, v)]
     return out, keep(_pin(tuple(saved), config))
@@ -814,6 +843,61 @@ def _fp8_attention_bwd(is_causal, config, res, dy):
 
 
 fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fp8_attention_linear(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    w,
+    is_causal: bool = True,
+    config: FP8Config = DEFAULT_CONFIG,
+) -> jax.Array:
+    """``fp8_linear(attention(q, k, v), w)``: attention and the o_proj as one op whose backward
+    does not run the attention forward again.
+
+    Forward is :func:`fp8_attention`'s attention (on the exact q, k, v) followed by
+    :func:`fp8_linear`. Kept for backward: the FP8 q, k, v (1xG, as :func:`fp8_attention`),
+    the linear's own residuals (its E4M3 per-tensor input, i.e. the attention output, and its
+    weights) and the attention's float32 softmax statistics. Backward runs the linear's
+    backward, then the attention's backward at the dequantized q, k, v with the forward's
+    statistics and the dequantized FP8 output (``coat_jax.attention.backward``: cuDNN on a GPU
+    in BF16, the jnp reference elsewhere). ``FP8Config(attention_backward="saved_output")``.
+
+    Args:
+      q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (GQA when ``K`` divides ``N``), one dtype.
+      w: the o_proj weight ``[N * H, D]`` as :func:`fp8_linear` takes it.
+      is_causal: static; config: static :class:`FP8Config`.
+
+    Returns:
+      ``[B, T, D]`` in q's dtype.
+    """
+    return _fp8_attention_linear_fwd(q, k, v, w, is_causal, config)[0]
+
+
+def _fp8_attention_linear_fwd(q, k, v, w, is_causal, config):
+    _check_attention_inputs(q, k, v)
+    impl = attention_implementation(q.dtype, config.attention)
+    out, stats = attention.forward(q, k, v, is_causal, impl)
+    b, t, n, h = q.shape
+    y, linear_res = _fp8_linear_fwd(out.reshape(b, t, n * h), w, config)
+    saved = [fp8_quant.quantize_per_group(x, **config.quantize_kwargs()) for x in (q, k, v)]
+    return y, (keep(_pin(tuple(saved), config)), keep(stats), linear_res)
+
+
+def _fp8_attention_linear_bwd(is_causal, config, res, dy):
+    saved, stats, linear_res = res
+    d_out, dw = _fp8_linear_bwd(config, linear_res, dy)
+    q, k, v = (x.dequantize().astype(dy.dtype) for x in saved)
+    # The linear's kept input is the attention output's E4M3 per-tensor codes, [B * T, N * H].
+    out = linear_res[0].dequantize().astype(dy.dtype).reshape(q.shape)
+    impl = attention_implementation(q.dtype, config.attention)
+    dq, dk, dv = attention.backward(q, k, v, out, stats, d_out.reshape(q.shape), is_causal, impl)
+    return dq, dk, dv, dw
+
+
+fp8_attention_linear.defvjp(_fp8_attention_linear_fwd, _fp8_attention_linear_bwd)
 
 
 @jax.custom_vjp
@@ -880,6 +964,13 @@ observed_swiglu = _observed(
 )
 observed_attention = _observed(
     fp8_attention, _fp8_attention_fwd, _fp8_attention_bwd, lambda r: tuple(t.scale for t in r)
+)
+# ``(out, (q, k, v scales, the o_proj input's scale))``
+observed_attention_linear = _observed(
+    fp8_attention_linear,
+    _fp8_attention_linear_fwd,
+    _fp8_attention_linear_bwd,
+    lambda r: (tuple(t.scale for t in r[0]), r[2][0].scale),
 )
 
 
@@ -1023,6 +1114,9 @@ class OpSet(NamedTuple):
     attention: Callable | None = None
     # ``(gate, up) -> silu(gate) * up`` as one op; None: ``mul(silu(gate), up)``.
     swiglu: Callable | None = None
+    # ``(q, k, v, o_proj weight) -> linear(attention(q, k, v), w)`` as one op
+    # (:func:`fp8_attention_linear`); None: ``attention`` then ``linear``.
+    attention_linear: Callable | None = None
 
     def silu_mul(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """``silu(gate) * up``: the fused op where the set has one, else the SiLU and product."""
@@ -1107,6 +1201,20 @@ def _recording_ops(plain: OpSet, precision: str, config: FP8Config, recorder) ->
     return OpSet(
         precision, linear=linear, rmsnorm=rmsnorm, silu=silu, mul=mul, add=fp8_add, swiglu=fused
     )
+
+
+def recorded_attention_linear(config: FP8Config, recorder: ScaleRecorder):
+    """Causal :func:`fp8_attention_linear` ``(q, k, v, w) -> out`` that hands ``recorder`` the
+    1xG scales of the q, k and v it keeps, then the o_proj input's per-tensor scale (the order
+    of :func:`recorded_attention` followed by the linear)."""
+
+    def attention_linear(q, k, v, w):
+        out, (group, linear_scale) = observed_attention_linear(q, k, v, w, True, config)
+        recorder.record_group(group)
+        recorder.record_linear(linear_scale)
+        return out
+
+    return attention_linear
 
 
 def recorded_attention(config: FP8Config, recorder: ScaleRecorder):

@@ -38,9 +38,11 @@ from coat_jax.fp8_ops import (
     ScaleRecorder,
     attention_implementation,
     fp8_attention,
+    fp8_attention_linear,
     ops_for,
     quantize_weight,
     recorded_attention,
+    recorded_attention_linear,
 )
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -427,8 +429,11 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
         k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
         v_BTKH = v.reshape(b, t, k, hd)
+        o_proj = _linear_weights(self, ("o_proj",), codes)
+        if ops.attention_linear is not None:
+            return ops.attention_linear(q_BTNH, k_BTKH, v_BTKH, o_proj)
         out_BTNH = (ops.attention or causal_attention)(q_BTNH, k_BTKH, v_BTKH)
-        return ops.linear(out_BTNH.reshape(b, t, n * hd), _linear_weights(self, ("o_proj",), codes))
+        return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj)
 
 
 class MLP(nnx.Module):
@@ -474,9 +479,13 @@ def _model_ops(precision: str, config: FP8Config, fp8_attn: bool, recorder=None)
     if fp8_attn:
         if recorder is None:
             attention = lambda q, k, v: fp8_attention(q, k, v, True, config)
+            attention_linear = lambda q, k, v, w: fp8_attention_linear(q, k, v, w, True, config)
         else:
             attention = recorded_attention(config, recorder)
+            attention_linear = recorded_attention_linear(config, recorder)
         ops = ops._replace(attention=attention)
+        if config.attention_backward == "saved_output":
+            ops = ops._replace(attention_linear=attention_linear)
     elif ops.attention is None:
         ops = ops._replace(
             attention=functools.partial(causal_attention, implementation=config.attention)
@@ -653,6 +662,9 @@ class Llama(nnx.Module):
         re-run the attention forward in backward (`coat_jax.fp8_ops.fp8_attention`), instead
         of the BF16 q, k, v, output and log-sum-exp cuDNN keeps. Beyond COAT; "fp8" and
         "coat" precision only. The forward is unchanged (attention on the exact q, k, v).
+        With ``FP8Config(attention_backward="saved_output")`` attention and the o_proj run as
+        one op (`coat_jax.fp8_ops.fp8_attention_linear`) that keeps the softmax statistics
+        too and takes the output from the o_proj's FP8 input: no forward re-run.
 
     Example:
       >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -689,6 +701,12 @@ class Llama(nnx.Module):
                 "precision 'bf16' is the plain baseline"
             )
         self.fp8_attention = bool(fp8_attention)
+        if self.fp8_config.attention_backward != "recompute" and not self.fp8_attention:
+            raise ValueError(
+                f"FP8Config(attention_backward={self.fp8_config.attention_backward!r}) is an "
+                "option of FP8 attention: pass fp8_attention=True (precision 'fp8' or 'coat'), "
+                "or leave attention_backward='recompute'"
+            )
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.embed_tokens = _param(rngs, (config.vocab_size, config.hidden_size), param_dtype, 0.02)
         if self.scan_layers:

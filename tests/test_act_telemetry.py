@@ -99,6 +99,20 @@ def captured_scales(model_def, params, tokens_BT1, monkeypatch):
     capture("observed_swiglu", fp8_ops.observed_swiglu, 2)
     capture("observed_attention", fp8_ops.observed_attention, 3)
 
+    real_attention_linear = fp8_ops.observed_attention_linear
+
+    def attention_linear(q, k, v, w, is_causal, config):
+        # Attention and the o_proj as one op: q, k and v are captured as attention's, and the
+        # attention output (the o_proj's input, made inside the op) as the next linear input.
+        inputs = jax.lax.optimization_barrier((q, k, v))
+        captured["observed_attention"].append(inputs)
+        impl = fp8_ops.attention_implementation(q.dtype, config.attention)
+        out = fp8_ops.attention.forward(*inputs, is_causal, impl)[0]
+        captured["observed_linear"].append((out.reshape(*out.shape[:2], -1),))
+        return real_attention_linear(*inputs, w, is_causal, config)
+
+    monkeypatch.setattr(fp8_ops, "observed_attention_linear", attention_linear)
+
     @jax.jit
     def run(params):
         captured.clear()
@@ -138,10 +152,11 @@ def group_summary(x, config: fp8_ops.FP8Config):
     [
         ["precision=coat"],
         ["precision=coat", "fp8_attention=true", "fp8_group_scale=e8m0"],
+        ["precision=coat", "fp8_attention=true", "fp8_attention_backward=saved_output"],
         ["precision=coat", "fp8_swiglu=fused"],
         ["precision=fp8"],
     ],
-    ids=["coat", "coat-fp8attn-e8m0", "coat-fused-swiglu", "fp8"],
+    ids=["coat", "coat-fp8attn-e8m0", "coat-fp8attn-saved", "coat-fused-swiglu", "fp8"],
 )
 def test_the_scales_are_the_quantizers_scales_of_the_captured_activations(extra, monkeypatch):
     cfg, model_def, params = model_and_params(*extra)

@@ -32,6 +32,8 @@ DESCRIPTIONS = {
     "precision": "bf16: plain ops; fp8: FP8 linear layers; coat: COAT's full FP8 flow",
     "compute_dtype": "dtype of activations and attention",
     "fp8_attention": "keep attention's q, k, v in FP8 for backward (fp8 and coat precision)",
+    "fp8_attention_backward": "recompute: FP8 attention re-runs its forward in backward; "
+    "saved_output: keeps the softmax statistics, reads the output from the o_proj's FP8 input",
     "fp8_weight_residual": (
         "once (default): all weights quantized once per step, before the layers; "
         "master: forward and backward quantize, nothing kept; fp8: keeps forward's FP8 codes"

@@ -83,6 +83,11 @@ class TrainConfig:
     - ``fp8_group_scale``: how the 1xG scales of the FP8 activations kept for backward are
       stored (``FP8Config.group_scale``): ``float32`` (COAT) or ``e8m0`` (power-of-two scales
       in one byte; precision ``coat``, or ``fp8`` with ``fp8_attention``; docs/memory_options.md).
+    - ``fp8_attention_backward``: what FP8 attention's backward runs from
+      (``FP8Config.attention_backward``; needs ``fp8_attention``): ``recompute`` (default: the
+      attention forward re-run from the FP8 q, k, v) or ``saved_output`` (attention and the
+      o_proj as one op keeping the float32 softmax statistics and reading the output from the
+      o_proj's FP8 input codes: no re-run; docs/memory_options.md, "FP8 attention").
     - ``fp8_swiglu``: the MLP's SiLU and product in precision ``coat`` (``FP8Config.swiglu``):
       ``coat`` (default, COAT: two FP8 ops keeping gate, the SiLU output and up) or ``fused``
       (one op keeping gate and up, the SiLU recomputed in backward: one intermediate-size FP8
@@ -185,6 +190,7 @@ class TrainConfig:
     scan_layers: bool = False
     remat: RematName = "none"
     fp8_attention: bool = False
+    fp8_attention_backward: Literal["recompute", "saved_output"] = "recompute"
     fp8_weight_residual: Literal["master", "fp8", "once"] = "once"
     fp8_group_scale: Literal["float32", "e8m0"] = "float32"
     fp8_swiglu: Literal["coat", "fused"] = "coat"
@@ -303,6 +309,12 @@ class TrainConfig:
                 f"activations, and precision={self.precision} with fp8_attention="
                 f"{str(self.fp8_attention).lower()} keeps none; use precision=coat (or fp8 "
                 "with fp8_attention=true), or set fp8_group_scale=float32"
+            )
+        if self.fp8_attention_backward != "recompute" and not self.fp8_attention:
+            raise ValueError(
+                f"fp8_attention_backward={self.fp8_attention_backward} is an option of FP8 "
+                "attention, and fp8_attention=false runs attention in BF16; set "
+                "fp8_attention=true, or fp8_attention_backward=recompute"
             )
         if self.fp8_swiglu != "coat" and self.precision != "coat":
             raise ValueError(

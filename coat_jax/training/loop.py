@@ -126,6 +126,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         weight_residual=cfg.fp8_weight_residual,
         group_scale=cfg.fp8_group_scale,
         swiglu=cfg.fp8_swiglu,
+        attention_backward=cfg.fp8_attention_backward,
         gemm_output=cfg.fp8_gemm_output,
         attention="xla" if cfg.deterministic else "auto",
         codes_barrier=codes_barrier(cfg),
