@@ -22,6 +22,7 @@ layout for ``"cudnn"``; each implementation's statistics go back to its own :fun
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -32,7 +33,7 @@ IMPLEMENTATIONS = ("cudnn", "xla")
 
 
 def _check(q, k, v):
-    for name, t in (("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if (
             t.ndim != 4
             or t.dtype != q.dtype
@@ -43,7 +44,7 @@ def _check(q, k, v):
                 f"attention needs q [B, T, N, H] and k, v [B, S, K, H] of one dtype; got q "
                 f"{q.shape} {q.dtype}, {name} {t.shape} {t.dtype}"
             )
-    if q.ndim != 4 or k.shape != v.shape or q.shape[2] % k.shape[2]:
+    if k.shape != v.shape or k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(
             f"attention needs q [B, T, N, H] and k, v [B, S, K, H] with K dividing N; got q "
             f"{q.shape}, k {k.shape}, v {v.shape}"
@@ -69,8 +70,19 @@ def _cudnn_module():
         from jax._src.cudnn import fused_attention_stablehlo as module
     except ImportError:
         return None
-    names = ("dot_product_attention", "_dot_product_attention_bwd_rule", "MaskType")
-    return module if all(hasattr(module, n) for n in names) else None
+    names = (
+        "dot_product_attention",
+        "_dot_product_attention_bwd_rule",
+        "MaskType",
+        "_normalize_layout",
+        "check_cudnn_version",
+    )
+    if not all(hasattr(module, n) for n in names):
+        return None
+    # (scale, seed, dropout_rate, variadic_args, mask_type, layout, sliding_window_length,
+    # cudnn_version, return_residual, res, grad_output): what backward passes, in JAX 0.10-0.11.
+    params = inspect.signature(module._dot_product_attention_bwd_rule).parameters
+    return module if len(params) == 11 else None
 
 
 def cudnn_available() -> bool:
@@ -98,6 +110,12 @@ def backward(q, k, v, out, stats, dout, is_causal: bool, implementation: str):
         raise ValueError(
             f"attention backward needs out and dout shaped as q {q.shape}; got {out.shape}, "
             f"{dout.shape}"
+        )
+    b, t, n, _ = q.shape
+    if stats.shape != (b, n, t) or stats.dtype != jnp.float32:
+        raise ValueError(
+            f"attention backward needs the forward's float32 statistics [B, N, T] = {(b, n, t)}; "
+            f"got {stats.shape} {stats.dtype} (pass what forward returned, unchanged)"
         )
     scale = 1.0 / math.sqrt(q.shape[-1])
     if _check_implementation(implementation) == "cudnn":

@@ -180,8 +180,11 @@ class FP8Config:
         as one op) keeps the same FP8 q, k, v plus the float32 log-sum-exp (4 bytes per query
         row and head) and takes the output from the E4M3 codes the o_proj keeps anyway: no
         forward re-run. Its gradients are those of the backward at the dequantized q, k, v
-        with the forward's statistics and the FP8 output, slightly further from the exact
-        ones than the re-run's (tests/test_fp8_ops.py measures both; docs/memory_options.md).
+        with the forward's statistics and the FP8 output, further from the exact ones than
+        the re-run's (docs/memory_options.md, section 6). Its residuals are tagged
+        :data:`ACTIVATION` like the other FP8 ops': a remat policy that keeps those (``none``,
+        ``activations``) skips the re-run; under ``attention`` or ``full`` the op is
+        recomputed with the rest of the layer.
       swiglu: the MLP's ``silu(gate) * up`` in the ``coat`` precision (:func:`ops_for`'s
         ``swiglu`` op). ``"coat"`` (default, COAT): ``fp8_silu`` then ``fp8_mul``, keeping
         gate, the SiLU output and up in FP8 (three intermediate-size tensors). ``"fused"``: one
@@ -829,11 +832,15 @@ def _check_attention_inputs(q, k, v):
             )
 
 
+def _kept_qkv(q, k, v, config):
+    """q, k and v as the FP8 attention ops keep them: E4M3 codes with 1xG scales, pinned."""
+    saved = [fp8_quant.quantize_per_group(t, **config.quantize_kwargs()) for t in (q, k, v)]
+    return keep(_pin(tuple(saved), config))
+
+
 def _fp8_attention_fwd(q, k, v, is_causal, config):
     _check_attention_inputs(q, k, v)
-    out = _attend(q, k, v, is_causal, config.attention)
-    saved = [fp8_quant.quantize_per_group(t, **config.quantize_kwargs()) for t in (q, k, v)]
-    return out, keep(_pin(tuple(saved), config))
+    return _attend(q, k, v, is_causal, config.attention), _kept_qkv(q, k, v, config)
 
 
 def _fp8_attention_bwd(is_causal, config, res, dy):
@@ -878,12 +885,16 @@ def fp8_attention_linear(
 
 def _fp8_attention_linear_fwd(q, k, v, w, is_causal, config):
     _check_attention_inputs(q, k, v)
+    if isinstance(w, (tuple, list)):
+        raise ValueError(
+            "fp8_attention_linear takes one o_proj weight [N * H, D] (or its FP8Weight), not a "
+            f"{type(w).__name__} of {len(w)}; run fp8_attention and fp8_linear for several"
+        )
     impl = attention_implementation(q.dtype, config.attention)
     out, stats = attention.forward(q, k, v, is_causal, impl)
     b, t, n, h = q.shape
     y, linear_res = _fp8_linear_fwd(out.reshape(b, t, n * h), w, config)
-    saved = [fp8_quant.quantize_per_group(x, **config.quantize_kwargs()) for x in (q, k, v)]
-    return y, (keep(_pin(tuple(saved), config)), keep(stats), linear_res)
+    return y, (_kept_qkv(q, k, v, config), keep(stats), linear_res)
 
 
 def _fp8_attention_linear_bwd(is_causal, config, res, dy):

@@ -21,6 +21,7 @@ from flax import nnx
 from coat_jax import attention, fp8_ops, llama
 from coat_jax.fp8_ops import FP8Config
 from coat_jax.memory import residuals
+from tests.test_scan_remat import CFG
 
 XLA = FP8Config(implementation="xla", attention="xla")
 SAVED = dataclasses.replace(XLA, attention_backward="saved_output")
@@ -42,9 +43,11 @@ def _qkv(dtype, b=2, t=64, n=8, k=2, h=32, seed=0):
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
-@pytest.mark.parametrize("kv_heads", [8, 2])
-def test_reference_forward_and_backward_match_jax_attention(is_causal, kv_heads):
+@pytest.mark.parametrize("kv_heads, kv_len", [(8, 64), (2, 64), (2, 96)])
+def test_reference_forward_and_backward_match_jax_attention(is_causal, kv_heads, kv_len):
     q, k, v, dout = _qkv(jnp.float32, k=kv_heads)
+    if kv_len != q.shape[1]:  # S != T: the causal mask's alignment matters
+        k, v = (jnp.concatenate([x, x[:, : kv_len - x.shape[1]] * 0.5], axis=1) for x in (k, v))
     with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
         _check_reference(q, k, v, dout, is_causal)
 
@@ -77,6 +80,15 @@ def test_attention_refuses_bad_shapes_and_implementations():
     out, lse = attention.forward(q, k, v, True, "xla")
     with pytest.raises(ValueError, match="shaped as q"):
         attention.backward(q, k, v, out[:, :8], lse, out, True, "xla")
+    with pytest.raises(ValueError, match=r"float32 statistics \[B, N, T\]"):
+        attention.backward(q, k, v, out, jnp.swapaxes(lse, 1, 2), out, True, "xla")
+    with pytest.raises(ValueError, match="one dtype"):
+        attention.forward(q[0], k, v, True, "xla")
+    with pytest.raises(ValueError, match="K dividing N"):
+        attention.forward(q, k[:, :, :0], v[:, :, :0], True, "xla")
+    with pytest.raises(ValueError, match="one o_proj weight"):
+        w = _weight()
+        fp8_ops.fp8_attention_linear(q, k, v, (w, w), True, SAVED)
     with pytest.raises(ValueError, match="attention_backward='bogus' is not one of"):
         FP8Config(attention_backward="bogus")
 
@@ -147,14 +159,35 @@ def test_keeps_the_pairs_fp8_tensors_plus_float32_statistics_and_nothing_in_bf16
 
 
 def test_backward_runs_no_attention_forward(monkeypatch):
-    calls = []
-    real = attention.forward_reference
-    monkeypatch.setattr(
-        attention, "forward_reference", lambda *a: calls.append(1) or real(*a), raising=True
-    )
     q, k, v, _ = _qkv(jnp.float32)
-    _grads(_fused(SAVED), q, k, v, _weight())
-    assert len(calls) == 1  # forward only: backward read the kept output and statistics
+    w = _weight()
+    y, pullback = jax.vjp(_fused(SAVED), q, k, v, w)
+    _, pair_pullback = jax.vjp(_pair(XLA), q, k, v, w)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the backward ran an attention forward")
+
+    # Every way to an attention forward: the op's own, the re-running pair's, jax.nn's.
+    for module, name in (
+        (attention, "forward"),
+        (attention, "forward_reference"),
+        (fp8_ops, "_attend"),
+        (jax.nn, "dot_product_attention"),
+    ):
+        monkeypatch.setattr(module, name, refuse)
+    grads = pullback(jnp.ones_like(y))  # reads the kept output and statistics instead
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, w.shape]
+    # The check can fail: the re-running pair's backward is refused.
+    with pytest.raises(AssertionError, match="ran an attention forward"):
+        pair_pullback(jnp.ones_like(y))
+
+
+def test_fp8_weight_codes_give_the_pairs_weight_gradient():
+    q, k, v, _ = _qkv(jnp.bfloat16)
+    w = fp8_ops.prequantized(_weight(), XLA)
+    fused, pair = _grads(_fused(SAVED), q, k, v, w), _grads(_pair(XLA), q, k, v, w)
+    assert jax.tree.structure(fused[3]) == jax.tree.structure(pair[3])
+    np.testing.assert_allclose(fused[3].master, pair[3].master, rtol=0.05, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -177,17 +210,6 @@ def test_gradients_are_close_to_float32_and_to_the_re_running_pair(dtype):
         # the FP8 q, k: measured 1.5x on q and k in float32).
         assert 1e-3 < e_fused < 0.15, (name, e_fused)
         assert e_fused <= 1.6 * e_pair + 0.01, (name, e_fused, e_pair)
-
-
-CFG = llama.LlamaConfig(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 
 
 def _model_grads(config, scan, precision="coat"):
