@@ -16,12 +16,14 @@ Two implementations, picked like :func:`coat_jax.fp8_ops.attention_implementatio
   ``[B, N, T, S]`` probabilities transiently, as XLA's own attention does.
 
 Layouts: q ``[B, T, N, H]``, k and v ``[B, S, K, H]`` with ``K`` dividing ``N`` (grouped-query
-attention), the output as q. Statistics: float32, ``[B, N, T]`` for ``"xla"``, cuDNN's own
-layout for ``"cudnn"``; each implementation's statistics go back to its own :func:`backward`.
+attention), the output as q. Statistics: float32 ``[B, N, T]`` from both implementations
+(cuDNN's layout, which the reference follows); each implementation's statistics go back to its
+own :func:`backward`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -51,6 +53,11 @@ def _check(q, k, v):
         )
 
 
+def _scale(q) -> float:
+    """``1/sqrt(H)``, as ``jax.nn.dot_product_attention``."""
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
 def _check_implementation(implementation: str) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -65,6 +72,7 @@ def _check_implementation(implementation: str) -> str:
     return implementation
 
 
+@functools.cache
 def _cudnn_module():
     try:
         from jax._src.cudnn import fused_attention_stablehlo as module
@@ -94,7 +102,7 @@ def forward(q, k, v, is_causal: bool, implementation: str):
     """``(out, stats)``: causal (or full) attention of q, k, v with scale ``1/sqrt(H)`` (as
     ``jax.nn.dot_product_attention``), and the float32 statistics :func:`backward` takes."""
     _check(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = _scale(q)
     if _check_implementation(implementation) == "cudnn":
         fa = _cudnn_module()
         mask = fa.MaskType.CAUSAL if is_causal else fa.MaskType.NO_MASK
@@ -117,7 +125,7 @@ def backward(q, k, v, out, stats, dout, is_causal: bool, implementation: str):
             f"attention backward needs the forward's float32 statistics [B, N, T] = {(b, n, t)}; "
             f"got {stats.shape} {stats.dtype} (pass what forward returned, unchanged)"
         )
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = _scale(q)
     if _check_implementation(implementation) == "cudnn":
         fa = _cudnn_module()
         mask = fa.MaskType.CAUSAL if is_causal else fa.MaskType.NO_MASK
