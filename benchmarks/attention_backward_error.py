@@ -45,7 +45,7 @@ def errors(scale: float, b=2, t=512, n=8, k=4, h=128, seed=0) -> dict[str, list[
     exact = attention.backward(f32(q), f32(kk), f32(v), out, lse, f32(dout), True, "xla")
 
     def fp8(x):
-        codes = fp8_quant.quantize_per_group(x, **config.quantize_kwargs())
+        codes = fp8_quant.quantize_per_group(x, **config.quantize_kwargs("quantize_per_group"))
         return codes.dequantize().astype(x.dtype)
 
     def per_tensor(o):

@@ -52,7 +52,7 @@ LAYOUTS = ("scan", "unrolled")
 OPTIMIZER = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
 CONFIG_7B = os.path.join(ROOT, "configs", "llama2_7b.yaml")
 CONFIG_TINY = os.path.join(ROOT, "configs", "default.yaml")
-PROFILE_TOP = 25  # kernels listed per profiled setting
+PROFILE_TOP = 25  # kernels listed per profiled setting (--top-kernels)
 MODEL_NAMES = {
     "configs/llama2_7b.yaml": "Llama-2-7B",
     "configs/llama3_8b.yaml": "Llama-3-8B",
@@ -321,7 +321,7 @@ def worker(args) -> None:
         label = base["setting"]
         hlo = compiled.as_text() or ""
         split = measure_split(
-            call, args.profile_reps, hlo, wall_s, "train_step", label, batch, top=PROFILE_TOP
+            call, args.profile_reps, hlo, wall_s, "train_step", label, batch, top=args.top_kernels
         )
         record("profile", batch=batch, split=split)
 
@@ -723,6 +723,12 @@ def main(argv=None) -> None:
     p.add_argument(
         "--profile-reps", type=int, default=0, help="trace this many steps at the equal batch"
     )
+    p.add_argument(
+        "--top-kernels",
+        type=int,
+        default=PROFILE_TOP,
+        help="how many kernels a profile lists, longest total time first",
+    )
     p.add_argument("--hlo-dir", default=None, help="write each compiled step's HLO text here")
     p.add_argument("--config", default=CONFIG_7B, help="the train.py config (llama2_7b.yaml)")
     p.add_argument("--out-dir", default="runs/bench_e2e")
@@ -732,6 +738,8 @@ def main(argv=None) -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--jsonl", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.top_kernels < 1:
+        raise ValueError(f"--top-kernels must be >= 1, got {args.top_kernels}")
     if args.seq is None:
         args.seq = 64 if args.tiny else 2048
     if args.margin_bytes is None:
@@ -767,6 +775,7 @@ def main(argv=None) -> None:
         f"--max-batch={args.max_batch}",
         f"--max-search-compiles={args.max_search_compiles}",
         f"--profile-reps={args.profile_reps}",
+        f"--top-kernels={args.top_kernels}",
         f"--jsonl={jsonl}",
         *([f"--hlo-dir={os.path.abspath(args.hlo_dir)}"] if args.hlo_dir else []),
         f"--config={os.path.abspath(args.config)}",

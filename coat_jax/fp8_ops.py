@@ -100,6 +100,31 @@ ATTENTION_BACKWARDS = ("recompute", "saved_output")
 # The MLP's SiLU and product in the coat precision (``FP8Config.swiglu``): "coat" as COAT, one
 # op each (three 1xG tensors kept), "fused" one ``fp8_swiglu`` (two kept).
 SWIGLU_OPS = ("coat", "fused")
+# The ops whose kernels ``FP8Config.op_implementations`` picks one by one.
+KERNEL_OPS = ("quantize_per_tensor", "quantize_per_group", "rmsnorm", "silu", "mul", "swiglu")
+
+
+def check_op_implementations(pairs) -> tuple[tuple[str, str], ...]:
+    """``pairs`` (``FP8Config.op_implementations``) checked: ``(op, implementation)`` tuples,
+    each op of :data:`KERNEL_OPS` at most once."""
+    if not isinstance(pairs, tuple) or not all(
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(v, str) for v in p) for p in pairs
+    ):
+        raise TypeError(
+            "op_implementations must be a tuple of (op, implementation) string pairs, e.g. "
+            f"(('quantize_per_tensor', 'pallas'),), got {pairs!r}"
+        )
+    seen = set()
+    for op, implementation in pairs:
+        if op not in KERNEL_OPS:
+            raise ValueError(
+                f"op_implementations names op {op!r}; valid ops are {list(KERNEL_OPS)}"
+            )
+        if op in seen:
+            raise ValueError(f"op_implementations names op {op!r} twice")
+        seen.add(op)
+        check_implementation(implementation)
+    return pairs
 
 
 def keep(tree):
@@ -124,6 +149,12 @@ class FP8Config:
       implementation: "auto" (Pallas kernels where they apply: on a GPU, on one device or with
         ``mesh`` given; XLA elsewhere), "xla" or "pallas", for the quantizers and the fused
         non-linear kernels. The GEMMs are always XLA dots.
+      op_implementations: per-op exceptions to ``implementation``, ``((op, implementation),
+        ...)`` with ``op`` one of :data:`KERNEL_OPS` (``"quantize_per_tensor"``: the linear
+        layers' per-tensor quantizer; ``"quantize_per_group"``: FP8 attention's 1xG q, k, v;
+        ``"rmsnorm"``, ``"silu"``, ``"mul"``, ``"swiglu"``: the fused non-linear ops, forward
+        and backward). Lets a program run XLA's fusions where they are faster and a Pallas
+        kernel where it is (docs/bench_fp8_kernels.md).
       interpret: run Pallas kernels in interpret mode (CPU tests; "auto" then tries them too).
       tiles: tile sizes of the Pallas kernels.
       mesh: the :class:`~pallas_kernels.sharding.KernelMesh` of a multi-device program (its
@@ -205,6 +236,7 @@ class FP8Config:
     grad_format: str = "e5m2"
     group_size: int = 16
     implementation: str = "auto"
+    op_implementations: tuple[tuple[str, str], ...] = ()
     interpret: bool = False
     tiles: fp8_quant.TileConfig = fp8_quant.DEFAULT_TILES
     gemm_dequant: str = "float32"
@@ -262,28 +294,36 @@ class FP8Config:
         quant.fp8_format(self.grad_format)
         quant.check_group_size(self.group_size)
         check_implementation(self.implementation)
+        check_op_implementations(self.op_implementations)
         if self.mesh is not None and not isinstance(self.mesh, KernelMesh):
             raise TypeError(
                 f"FP8Config.mesh must be a KernelMesh (pallas_kernels.sharding) or None, got "
                 f"{type(self.mesh).__name__}; wrap a Mesh as KernelMesh(mesh)"
             )
 
-    def kernel_kwargs(self) -> dict:
-        """The kernels' dispatch settings (a backward reads its group size off what it gets)."""
+    def implementation_of(self, op: str) -> str:
+        """The implementation ``op`` (one of :data:`KERNEL_OPS`) runs: its entry in
+        ``op_implementations``, else ``implementation``."""
+        if op not in KERNEL_OPS:
+            raise ValueError(f"unknown kernel op {op!r}; valid ops are {list(KERNEL_OPS)}")
+        return dict(self.op_implementations).get(op, self.implementation)
+
+    def kernel_kwargs(self, op: str) -> dict:
+        """``op``'s dispatch settings (a backward reads its group size off what it gets)."""
         return dict(
-            implementation=self.implementation,
+            implementation=self.implementation_of(op),
             interpret=self.interpret,
             tiles=self.tiles,
             mesh=self.mesh,
         )
 
-    def quantize_kwargs(self) -> dict:
+    def quantize_kwargs(self, op: str) -> dict:
         """:meth:`kernel_kwargs` plus how forward quantizes activations (format, 1xG groups)."""
         return dict(
             fmt=self.act_format,
             group_size=self.group_size,
             scale_format=self.group_scale,
-            **self.kernel_kwargs(),
+            **self.kernel_kwargs(op),
         )
 
 
@@ -337,7 +377,7 @@ def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False) -> quant.Qua
     kw = dict(fmt=fmt, group_size=config.group_size)
     return dispatch(
         "quantize_per_tensor",
-        config.implementation,
+        config.implementation_of("quantize_per_tensor"),
         interpret=config.interpret,
         mesh=mesh,
         # A Pallas quantizer is opaque to XLA, so nothing can fold its round trip; a barrier
@@ -714,14 +754,14 @@ def _fp8_rmsnorm_fwd(x, weight, eps, config):
     _check_float("x", x)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rmsnorm weight must have shape {x.shape[-1:]}, got {weight.shape}")
-    y, x_q, rstd = fp8_act.rmsnorm_fwd(x, weight, eps, **config.quantize_kwargs())
+    y, x_q, rstd = fp8_act.rmsnorm_fwd(x, weight, eps, **config.quantize_kwargs("rmsnorm"))
     return y, (*keep((_pin(x_q, config), rstd)), weight)
 
 
 def _fp8_rmsnorm_bwd(eps, config, res, dy):
     del eps
     x_q, rstd, weight = res
-    return fp8_act.rmsnorm_bwd(dy, x_q, rstd, weight, **config.kernel_kwargs())
+    return fp8_act.rmsnorm_bwd(dy, x_q, rstd, weight, **config.kernel_kwargs("rmsnorm"))
 
 
 fp8_rmsnorm.defvjp(_fp8_rmsnorm_fwd, _fp8_rmsnorm_bwd)
@@ -735,12 +775,12 @@ def fp8_silu(x: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> jax.Array:
 
 def _fp8_silu_fwd(x, config):
     _check_float("x", x)
-    y, x_q = fp8_act.silu_fwd(x, **config.quantize_kwargs())
+    y, x_q = fp8_act.silu_fwd(x, **config.quantize_kwargs("silu"))
     return y, keep(_pin(x_q, config))
 
 
 def _fp8_silu_bwd(config, res, dy):
-    return (fp8_act.silu_bwd(dy, res, **config.kernel_kwargs()),)
+    return (fp8_act.silu_bwd(dy, res, **config.kernel_kwargs("silu")),)
 
 
 fp8_silu.defvjp(_fp8_silu_fwd, _fp8_silu_bwd)
@@ -754,12 +794,12 @@ def fp8_mul(a: jax.Array, b: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> j
 
 def _fp8_mul_fwd(a, b, config):
     _check_pair("fp8_mul", a, b)
-    y, a_q, b_q = fp8_act.mul_fwd(a, b, **config.quantize_kwargs())
+    y, a_q, b_q = fp8_act.mul_fwd(a, b, **config.quantize_kwargs("mul"))
     return y, keep(_pin((a_q, b_q), config))
 
 
 def _fp8_mul_bwd(config, res, dy):
-    return fp8_act.mul_bwd(dy, *res, **config.kernel_kwargs())
+    return fp8_act.mul_bwd(dy, *res, **config.kernel_kwargs("mul"))
 
 
 fp8_mul.defvjp(_fp8_mul_fwd, _fp8_mul_bwd)
@@ -777,12 +817,12 @@ def fp8_swiglu(gate: jax.Array, up: jax.Array, config: FP8Config = DEFAULT_CONFI
 
 def _fp8_swiglu_fwd(gate, up, config):
     _check_pair("fp8_swiglu", gate, up)
-    y, gate_q, up_q = fp8_act.swiglu_fwd(gate, up, **config.quantize_kwargs())
+    y, gate_q, up_q = fp8_act.swiglu_fwd(gate, up, **config.quantize_kwargs("swiglu"))
     return y, keep(_pin((gate_q, up_q), config))
 
 
 def _fp8_swiglu_bwd(config, res, dy):
-    return fp8_act.swiglu_bwd(dy, *res, **config.kernel_kwargs())
+    return fp8_act.swiglu_bwd(dy, *res, **config.kernel_kwargs("swiglu"))
 
 
 fp8_swiglu.defvjp(_fp8_swiglu_fwd, _fp8_swiglu_bwd)
@@ -834,7 +874,10 @@ def _check_attention_inputs(q, k, v):
 
 def _kept_qkv(q, k, v, config):
     """q, k and v as the FP8 attention ops keep them: E4M3 codes with 1xG scales, pinned."""
-    saved = [fp8_quant.quantize_per_group(t, **config.quantize_kwargs()) for t in (q, k, v)]
+    saved = [
+        fp8_quant.quantize_per_group(t, **config.quantize_kwargs("quantize_per_group"))
+        for t in (q, k, v)
+    ]
     return keep(_pin(tuple(saved), config))
 
 

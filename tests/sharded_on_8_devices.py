@@ -382,7 +382,6 @@ TINY = [
 ]
 KERNELS = {
     "coat_adamw_apply",  # the trainer's default fused_apply: the kernel also writes the weight
-    "fp8_group_amax",
     "fp8_scaled_cast",
     "fp8_rmsnorm_fwd",
     "fp8_rmsnorm_bwd",

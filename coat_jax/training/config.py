@@ -109,10 +109,16 @@ class TrainConfig:
       non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s.
       ``null`` (the default): with ``kernels: auto`` the ops run as XLA's fusions of their jnp
       references (XLA fuses the quantization into its neighbours) while coat_adamw runs its
-      Pallas kernel, a pairing at least as fast in train.py's step at every measured size
-      (docs/bench_fp8_kernels.md); with any other ``kernels``, as ``kernels``.
-      ``fp8_kernels: pallas`` runs the Pallas kernels of the FP8 ops, ``auto`` the Pallas
-      kernels where one runs (a GPU) and the references elsewhere.
+      Pallas kernel; with any other ``kernels``, as ``kernels``. ``fp8_kernels: pallas`` runs
+      the Pallas kernels of the FP8 ops, ``auto`` the Pallas kernels where one runs (a GPU)
+      and the references elsewhere. Measured on the H200 (docs/bench_fp8_kernels.md): XLA's
+      fusions 2.2% faster at Llama-2-7B batch 1, the Pallas kernels 2.2% to 2.5% faster at its
+      largest batch.
+    - ``fp8_op_kernels``: exceptions to ``fp8_kernels``, op by op:
+      ``"op=implementation;..."`` with ops ``quantize_per_tensor`` (the linear layers'
+      per-tensor quantizer), ``quantize_per_group`` (FP8 attention's q, k, v), ``rmsnorm``,
+      ``silu``, ``mul``, ``swiglu`` and implementations ``auto``, ``xla``, ``pallas``
+      (``FP8Config.op_implementations``; docs/bench_fp8_kernels.md has the measurements).
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
       ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept
@@ -199,6 +205,7 @@ class TrainConfig:
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
     fp8_kernels: Literal["auto", "xla", "pallas"] | None = None
+    fp8_op_kernels: str | None = None
     fused_apply: bool = True
     optimizer_in_backward: bool = False
     # Data.
@@ -296,6 +303,14 @@ class TrainConfig:
                 "fp8_weight_residual=fp8 needs precision fp8 or coat (precision bf16 has no FP8 "
                 "weights); set fp8_weight_residual=once (the default) or master"
             )
+        if self.fp8_op_kernels is not None:
+            if self.precision == "bf16":
+                raise ValueError(
+                    f"fp8_op_kernels={self.fp8_op_kernels!r} picks the kernels of FP8 activation "
+                    "ops, and precision=bf16 has none; use precision=fp8 or coat, or set "
+                    "fp8_op_kernels=null"
+                )
+            parse_op_kernels(self.fp8_op_kernels)
         if self.fp8_kernels is not None and self.precision == "bf16":
             raise ValueError(
                 f"fp8_kernels={self.fp8_kernels} picks the kernels of the FP8 activation ops, and "
@@ -405,6 +420,30 @@ def _check_positive(cfg, *names):
         value = getattr(cfg, name)
         if value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def parse_op_kernels(text: str | None) -> tuple[tuple[str, str], ...]:
+    """``fp8_op_kernels`` (``"op=implementation;..."``) as ``FP8Config.op_implementations``.
+
+    ``ValueError`` names a malformed entry, an unknown op or implementation, or a repeated op.
+    """
+    from coat_jax.fp8_ops import check_op_implementations
+
+    if text is None:
+        return ()
+    pairs = []
+    for entry in (e.strip() for e in str(text).split(";")):
+        op, sep, implementation = entry.partition("=")
+        if not sep or not op.strip() or not implementation.strip():
+            raise ValueError(
+                f"fp8_op_kernels entry {entry!r} is not op=implementation; write e.g. "
+                "fp8_op_kernels='quantize_per_tensor=pallas;swiglu=xla'"
+            )
+        pairs.append((op.strip(), implementation.strip()))
+    try:
+        return check_op_implementations(tuple(pairs))
+    except ValueError as e:
+        raise ValueError(f"fp8_op_kernels={text!r}: {e}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -40,7 +40,7 @@ from coat_jax.master import apply_updates_stochastic, float32_optimizer
 from coat_jax.optim import apply_gradients
 from coat_jax.training import distributed, layerwise, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
-from coat_jax.training.config import TrainConfig, to_dict
+from coat_jax.training.config import TrainConfig, parse_op_kernels, to_dict
 from coat_jax.training.data import (
     PackedWindows,
     TrainOrder,
@@ -130,6 +130,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         gemm_output=cfg.fp8_gemm_output,
         attention="xla" if cfg.deterministic else "auto",
         codes_barrier=codes_barrier(cfg),
+        op_implementations=parse_op_kernels(cfg.fp8_op_kernels),
         **kernel_options(cfg, fp8_ops=True),
         **placement,
     )

@@ -1,0 +1,186 @@
+"""Per-op kernel choices: ``FP8Config.op_implementations`` and the trainer's ``fp8_op_kernels``.
+
+Each named op runs the implementation its entry gives and every other op ``implementation``'s,
+read off the Pallas kernels in the traced program; the results equal the all-XLA program's
+(the kernels compute what their references do). Off a GPU the kernels run in interpret mode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coat_jax import fp8_ops
+from coat_jax.fp8_ops import FP8Config, ops_for
+from coat_jax.training import load_config
+from coat_jax.training.config import parse_op_kernels
+from pallas_kernels import fp8_quant
+
+INTERPRET = jax.default_backend() != "gpu"
+# The Pallas kernel names each op's forward and backward launch.
+KERNEL_NAMES = {
+    "quantize_per_tensor": ("fp8_scaled_cast",),
+    "rmsnorm": ("fp8_rmsnorm_fwd", "fp8_rmsnorm_bwd"),
+    "swiglu": ("fp8_swiglu_fwd", "fp8_swiglu_bwd"),
+}
+
+
+def _mlp_block(config: FP8Config):
+    """RMSNorm, gate/up linears, the fused SwiGLU and the down linear, as in a Llama MLP."""
+    ops = ops_for("coat", config)
+
+    def block(x, norm_w, w_gate, w_up, w_down):
+        h = ops.rmsnorm(x, norm_w)
+        gate, up = ops.linear(h, w_gate), ops.linear(h, w_up)
+        return ops.linear(ops.silu_mul(gate, up), w_down)
+
+    return block
+
+
+def _args():
+    k = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(k[0], (2, 16, 64), jnp.float32).astype(jnp.bfloat16)
+    norm_w = 1 + 0.1 * jax.random.normal(k[1], (64,))
+    w_gate = 0.1 * jax.random.normal(k[2], (64, 128))
+    w_up = 0.1 * jax.random.normal(k[3], (64, 128))
+    w_down = 0.1 * jax.random.normal(k[4], (128, 64))
+    return x, norm_w, w_gate, w_up, w_down
+
+
+def _value_and_grads(config: FP8Config):
+    block = _mlp_block(config)
+
+    def loss(*args):
+        return jnp.sum(block(*args).astype(jnp.float32) ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+
+
+def _kernels_in(fn, *args) -> set[str]:
+    text = str(jax.make_jaxpr(fn)(*args))
+    return {name for names in KERNEL_NAMES.values() for name in names if name in text}
+
+
+def _config(implementation="xla", pairs=()):
+    return FP8Config(
+        implementation=implementation,
+        op_implementations=pairs,
+        interpret=INTERPRET,
+        swiglu="fused",
+    )
+
+
+@pytest.mark.parametrize(
+    "implementation, pairs, expected",
+    [
+        ("xla", (), set()),
+        ("xla", (("quantize_per_tensor", "pallas"),), {"fp8_scaled_cast"}),
+        ("xla", (("swiglu", "pallas"),), {"fp8_swiglu_fwd", "fp8_swiglu_bwd"}),
+        (
+            "pallas",
+            (("swiglu", "xla"),),
+            {"fp8_scaled_cast", "fp8_rmsnorm_fwd", "fp8_rmsnorm_bwd"},
+        ),
+        (
+            "pallas",
+            (),
+            {n for names in KERNEL_NAMES.values() for n in names},
+        ),
+    ],
+)
+def test_each_op_runs_the_implementation_named_for_it(implementation, pairs, expected):
+    args = _args()
+    assert _kernels_in(_value_and_grads(_config(implementation, pairs)), *args) == expected
+
+
+def test_mixed_kernels_give_the_all_xla_results():
+    # As the trainer compiles COAT on a GPU: without XLA's excess precision, which could keep
+    # XLA's BF16 intermediates (the SwiGLU product) in float32 where the kernels round them.
+    options = dict(fp8_ops.fp8_compiler_options() or {}, xla_allow_excess_precision=False)
+    args = _args()
+    want = jax.jit(_value_and_grads(_config("xla")), compiler_options=options)(*args)
+    pairs = (("quantize_per_tensor", "pallas"), ("swiglu", "pallas"))
+    got = jax.jit(_value_and_grads(_config("xla", pairs)), compiler_options=options)(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_pallas_per_tensor_quantizer_equals_the_reference_and_falls_back_when_ragged():
+    x = jax.random.normal(jax.random.key(1), (48, 96), jnp.float32).astype(jnp.bfloat16)
+    for fmt in ("e4m3", "e5m2"):
+        got = fp8_quant.quantize_per_tensor(
+            x, fmt=fmt, implementation="pallas", interpret=INTERPRET
+        )
+        want = fp8_quant.quantize_per_tensor_reference(x, fmt=fmt)
+        np.testing.assert_array_equal(
+            np.asarray(got.codes.astype(jnp.float32)), np.asarray(want.codes.astype(jnp.float32))
+        )
+        assert float(got.scale) == float(want.scale)
+    ragged = x[:, :90]
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        fp8_quant.quantize_per_tensor(ragged, implementation="pallas", interpret=INTERPRET)
+    auto = fp8_quant.quantize_per_tensor(ragged, implementation="auto", interpret=True)
+    want = fp8_quant.quantize_per_tensor_reference(ragged)
+    assert float(auto.scale) == float(want.scale)
+
+
+@pytest.mark.parametrize(
+    "pairs, match",
+    [
+        ((("foo", "xla"),), "valid ops are"),
+        ((("swiglu", "gpu"),), "unknown implementation 'gpu'"),
+        ((("swiglu", "xla"), ("swiglu", "pallas")), "names op 'swiglu' twice"),
+        ([("swiglu", "xla")], "tuple of \\(op, implementation\\)"),
+        ((("swiglu",),), "tuple of \\(op, implementation\\)"),
+    ],
+)
+def test_bad_op_implementations_are_refused(pairs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        FP8Config(op_implementations=pairs)
+
+
+def test_implementation_of_names_the_op_or_refuses():
+    config = FP8Config(implementation="xla", op_implementations=(("rmsnorm", "pallas"),))
+    assert config.implementation_of("rmsnorm") == "pallas"
+    assert config.implementation_of("swiglu") == "xla"
+    with pytest.raises(ValueError, match="unknown kernel op 'attention'"):
+        config.implementation_of("attention")
+    assert set(fp8_ops.KERNEL_OPS) >= set(KERNEL_NAMES)
+
+
+def test_trainer_key_parses_checks_and_reaches_the_model():
+    from coat_jax.llama import LlamaConfig
+    from coat_jax.training.loop import model_def_for
+
+    assert parse_op_kernels(None) == ()
+    assert parse_op_kernels(" quantize_per_tensor = pallas ; swiglu=xla") == (
+        ("quantize_per_tensor", "pallas"),
+        ("swiglu", "xla"),
+    )
+    for bad, match in [
+        ("swiglu", "is not op=implementation"),
+        ("swiglu=xla;", "is not op=implementation"),
+        ("attention=xla", "valid ops are"),
+        ("swiglu=fast", "unknown implementation 'fast'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            load_config(None, ["precision=coat", f"fp8_op_kernels={bad}"])
+    with pytest.raises(ValueError, match="precision=bf16 has none"):
+        load_config(None, ["precision=bf16", "fp8_op_kernels=swiglu=xla"])
+
+    cfg = load_config(
+        None,
+        ["precision=coat", "fp8_kernels=xla", "fp8_op_kernels=quantize_per_tensor=pallas"],
+    )
+    tiny = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    fp8_config = model_def_for(tiny, cfg).graphdef
+    text = str(fp8_config)
+    assert "op_implementations=(('quantize_per_tensor', 'pallas'),)" in text, text[:2000]
