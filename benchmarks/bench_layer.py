@@ -74,7 +74,8 @@ MODES = ("bf16", "fp8", "coat")
 PAPER_U = {"bf16": 22.66, "fp8": 18.33, "coat": 13.33}  # COAT Table 2 (PyTorch, TE for fp8)
 WEIGHT_RESIDUALS = ("master", "fp8", "once")  # coat_jax.fp8_ops.WEIGHT_RESIDUALS (no JAX here)
 # The trainer's fp8_kernels option: "default" leaves it unset (with `kernels: auto` the FP8 ops
-# then run as XLA's fusions; before 2026-12-03 as the Pallas kernels).
+# then run as the trainer's shape rule picks, optimizers.fp8_ops_auto, since 2026-12-04; XLA's
+# fusions from 2026-12-03; the Pallas kernels before).
 FP8_KERNELS = ("default", "auto", "xla", "pallas")
 # The optimizer of each mode's layer step, as train.py pairs them (docs/bench_e2e.md).
 MODE_OPTIMIZERS = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}
@@ -998,7 +999,8 @@ def main(argv=None) -> None:
         "--fp8-kernels",
         default="default",
         help="comma-separated fp8_kernels options for the fp8 and coat modes (default: unset, "
-        "the trainer's default, XLA's fusions with kernels=auto; xla: XLA's fusions of the jnp "
+        "the trainer's default, by shape with kernels=auto: optimizers.fp8_ops_auto; xla: XLA's "
+        "fusions of the jnp "
         "references; pallas: the Pallas kernels; auto: Pallas where one runs)",
     )
     p.add_argument(

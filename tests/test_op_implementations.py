@@ -163,3 +163,22 @@ def test_trainer_key_parses_checks_and_reaches_the_model():
     )
     text = str(model_def_for(tiny, cfg).graphdef)  # the model's FP8Config lives in it
     assert "op_implementations=(('quantize_per_tensor', 'pallas'),)" in text, text[:2000]
+
+
+def test_trainer_key_takes_a_yaml_mapping(tmp_path):
+    """In a YAML file ``fp8_op_kernels`` may be a mapping; it is stored as the text form and
+    checked like it. An empty mapping or non-string names are refused, naming the fix."""
+    path = tmp_path / "run.yaml"
+    path.write_text("precision: coat\nfp8_op_kernels:\n  swiglu: pallas\n  rmsnorm: xla\n")
+    cfg = load_config(path)
+    assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla"
+    assert parse_op_kernels(cfg.fp8_op_kernels) == (("swiglu", "pallas"), ("rmsnorm", "xla"))
+    for body, match in [
+        ("fp8_op_kernels: {swiglu: fast}\n", "unknown implementation 'fast'"),
+        ("fp8_op_kernels: {attention: xla}\n", "valid ops are"),
+        ("fp8_op_kernels: {}\n", "must name at least one op"),
+        ("fp8_op_kernels: {swiglu: 1}\n", "must name at least one op"),
+    ]:
+        path.write_text("precision: coat\n" + body)
+        with pytest.raises(ValueError, match=match):
+            load_config(path)

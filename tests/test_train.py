@@ -6,6 +6,7 @@ unless a test says otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -138,7 +139,8 @@ def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
 @pytest.mark.parametrize(
     "overrides, fp8_ops, optimizer",
     [
-        ([], "xla", "auto"),  # the default: XLA's fusions for the FP8 ops, Pallas for the step
+        # the default at this config's size: XLA's fusions for the FP8 ops, Pallas for the step
+        ([], "xla", "auto"),
         (["fp8_kernels=pallas"], "pallas", "auto"),
         (["fp8_kernels=auto"], "auto", "auto"),
         (["kernels=pallas"], "pallas", "pallas"),
@@ -148,8 +150,8 @@ def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
     ],
 )
 def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
-    """Unset, ``fp8_kernels`` sends the FP8 activation ops to XLA's fusions under
-    ``kernels: auto`` (measured faster in train.py's step) and follows ``kernels`` otherwise;
+    """Unset, ``fp8_kernels`` sends the FP8 activation ops of the default config (a narrow
+    model, few tokens) to XLA's fusions under ``kernels: auto`` and follows ``kernels`` otherwise;
     the optimizer's kernels follow ``kernels`` alone. The model the trainer builds carries it."""
     from coat_jax.training import loop
     from coat_jax.training.optimizers import kernel_options
@@ -160,6 +162,50 @@ def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
     model_def = loop.model_def_for(cfg.model, cfg)
     model = model_def.bind(model_def.abstract_params)
     assert model.fp8_config.implementation == fp8_ops
+
+
+def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
+    """Unset under ``kernels: auto``, the FP8 ops take the Pallas kernels (``auto``) for a model
+    at least FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS tokens per device,
+    XLA's fusions otherwise; devices sharing the batch divide the tokens; a set
+    ``fp8_kernels`` or another ``kernels`` wins."""
+    from coat_jax.training import loop
+    from coat_jax.training.optimizers import (
+        FP8_PALLAS_MIN_HIDDEN,
+        FP8_PALLAS_MIN_TOKENS,
+        fp8_ops_auto,
+        kernel_options,
+    )
+
+    base = load_config(
+        REPO / "configs" / "default.yaml",
+        ["precision=coat", f"model.hidden_size={FP8_PALLAS_MIN_HIDDEN}", "model.head_dim=64"],
+    )
+    at = FP8_PALLAS_MIN_TOKENS // base.seq_len
+    assert at * base.seq_len == FP8_PALLAS_MIN_TOKENS  # the default config divides it exactly
+    big = dataclasses.replace(base, batch_size=at)
+    narrow = dataclasses.replace(
+        big, model=dataclasses.replace(big.model, hidden_size=FP8_PALLAS_MIN_HIDDEN // 2)
+    )
+    assert fp8_ops_auto(big) == "auto"
+    assert fp8_ops_auto(narrow) == "xla"
+    assert fp8_ops_auto(dataclasses.replace(base, batch_size=at - 1)) == "xla"
+    assert fp8_ops_auto(big, devices=2) == "xla"
+    assert fp8_ops_auto(dataclasses.replace(base, batch_size=2 * at), devices=2) == "auto"
+    assert kernel_options(big, fp8_ops=True)["implementation"] == "auto"
+    assert kernel_options(big, fp8_ops=True, devices=2)["implementation"] == "xla"
+    assert kernel_options(dataclasses.replace(big, fp8_kernels="xla"), fp8_ops=True) == {
+        "implementation": "xla",
+        "interpret": False,
+    }
+    assert (
+        kernel_options(dataclasses.replace(big, kernels="xla"), fp8_ops=True)["implementation"]
+        == "xla"
+    )
+    model_def = loop.model_def_for(big.model, big)
+    assert model_def.bind(model_def.abstract_params).fp8_config.implementation == "auto"
+    with pytest.raises(ValueError, match="devices must be at least 1"):
+        fp8_ops_auto(big, devices=0)
 
 
 def test_train_py_reports_config_errors_without_traceback():

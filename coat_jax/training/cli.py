@@ -49,7 +49,8 @@ DESCRIPTIONS = {
     "fp8_kernels); xla: jnp; pallas; "
     "interpret: auto in Pallas interpret mode (CPU tests, slow)",
     "fp8_kernels": "kernels for the FP8 activation ops alone (auto: Pallas where one runs; "
-    "xla; pallas; null: xla with kernels=auto, else as kernels), the optimizer keeping kernels'",
+    "xla; pallas; null: with kernels=auto, auto for hidden >= 4096 and >= 16384 tokens per "
+    "device, else xla; with other kernels, as kernels), the optimizer keeping kernels'",
     "fp8_op_kernels": "exceptions to fp8_kernels op by op, 'op=impl;...' (ops: "
     "quantize_per_tensor, quantize_per_group, rmsnorm, silu, mul, swiglu)",
     "init_from": "HF/coat-jax folder or .gguf to start from (pkg:PACKAGE/FILE looks in a package)",

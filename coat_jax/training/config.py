@@ -102,21 +102,25 @@ class TrainConfig:
       docs/memory_options.md for its accuracy evidence.
     - ``kernels``: where coat_adamw's step and the FP8 ops' quantizers and fused non-linear ops
       run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh, except the FP8 ops'
-      which ``fp8_kernels`` sends to XLA's fusions unless set; plain jnp elsewhere),
+      which ``fp8_kernels`` picks unless set; plain jnp elsewhere),
       ``xla`` (plain jnp), ``pallas`` (the kernels, an error where one cannot run) or
       ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
     - ``fp8_kernels``: ``kernels`` for the FP8 activation ops alone (quantizers and fused
       non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s.
-      ``null`` (the default): with ``kernels: auto`` the ops run as XLA's fusions of their jnp
-      references (XLA fuses the quantization into its neighbours) while coat_adamw runs its
-      Pallas kernel; with any other ``kernels``, as ``kernels``. ``fp8_kernels: pallas`` runs
-      the Pallas kernels of the FP8 ops, ``auto`` the Pallas kernels where one runs (a GPU)
-      and the references elsewhere. Measured on the H200 (docs/bench_fp8_kernels.md): XLA's
-      fusions 2.2% faster at Llama-2-7B batch 1, the Pallas kernels 2.2% to 2.5% faster at its
-      largest batch.
+      ``null`` (the default): with ``kernels: auto``, by the run's shape
+      (``optimizers.fp8_ops_auto``): ``auto`` for a model at least 4096 wide with at least
+      16384 microbatch tokens per device, else the ops run as XLA's fusions of their jnp
+      references (XLA fuses the quantization into its neighbours); coat_adamw runs its Pallas
+      kernel either way. With any other ``kernels``, as ``kernels``. ``fp8_kernels: pallas``
+      runs the Pallas kernels of the FP8 ops, ``auto`` the Pallas kernels where one runs (a
+      GPU; a shape a kernel cannot take falls back to XLA op by op) and the references
+      elsewhere. Measured on the H200 (docs/bench_fp8_kernels.md): Llama-2-7B, XLA's fusions
+      2.2% faster at batch 1, level at batch 4, the Pallas kernels 0.9% to 2.8% faster at
+      batches 8 to 20; the 76M model, XLA's fusions faster at 16384 and 65536 tokens.
     - ``fp8_op_kernels``: exceptions to ``fp8_kernels``, op by op:
-      ``"op=implementation;..."`` with ops ``quantize_per_tensor`` (the linear layers'
-      per-tensor quantizer), ``quantize_per_group`` (FP8 attention's q, k, v), ``rmsnorm``,
+      ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``) with ops
+      ``quantize_per_tensor`` (the linear layers' per-tensor quantizer),
+      ``quantize_per_group`` (FP8 attention's q, k, v), ``rmsnorm``,
       ``silu``, ``mul``, ``swiglu`` and implementations ``auto``, ``xla``, ``pallas``
       (``FP8Config.op_implementations``; docs/bench_fp8_kernels.md has the measurements).
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
@@ -446,6 +450,19 @@ def parse_op_kernels(text: str | None) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"fp8_op_kernels={text!r}: {e}") from None
 
 
+def op_kernels_text(mapping: Mapping[str, Any]) -> str:
+    """A YAML mapping ``{op: implementation}`` for ``fp8_op_kernels`` as its
+    ``"op=implementation;..."`` text (the field's one stored form)."""
+    bad = {k: v for k, v in mapping.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad or not mapping:
+        raise ValueError(
+            f"fp8_op_kernels={dict(mapping)!r}: a mapping must name at least one op and map "
+            "each op name to an implementation name (auto, xla or pallas), e.g. "
+            "{swiglu: pallas, rmsnorm: xla}"
+        )
+    return ";".join(f"{op}={implementation}" for op, implementation in mapping.items())
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Builds a :class:`TrainConfig` from defaults, an optional YAML file and ``key=value`` items.
 
@@ -540,6 +557,8 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
+        elif cls is TrainConfig and name == "fp8_op_kernels" and isinstance(value, Mapping):
+            kwargs[name] = op_kernels_text(value)
         else:
             kwargs[name] = _coerce(prefix + name, hint, value)
     try:
