@@ -170,6 +170,18 @@ def append_jsonl(path: str, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def write_results(out: str | None, records: list[dict], title: str, text: str) -> None:
+    """Writes ``OUT.jsonl`` (one record per line) and ``OUT.md`` (``# title`` then ``text``);
+    nothing when ``out`` is ``None``."""
+    if not out:
+        return
+    with open(out + ".jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    with open(out + ".md", "w") as f:
+        f.write(f"# {title}\n\n{text}\n")
+
+
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []

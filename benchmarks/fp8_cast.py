@@ -14,7 +14,6 @@ Compiled as the trainer compiles COAT on a GPU (``fp8_compiler_options``, no exc
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -116,12 +115,7 @@ def main(argv=None):
             )
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        with open(args.out + ".jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        with open(args.out + ".md", "w") as f:
-            f.write("# The per-tensor FP8 cast: XLA against Pallas\n\n" + text + "\n")
+    C.write_results(args.out, rows, "The per-tensor FP8 cast: XLA against Pallas", text)
 
 
 if __name__ == "__main__":

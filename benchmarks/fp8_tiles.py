@@ -18,7 +18,6 @@ Compiled as the trainer compiles COAT on a GPU (``fp8_compiler_options``, no exc
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -96,6 +95,20 @@ def ops(rows: int, interpret: bool = False):
     _, x_q, rstd = fp8_act.rmsnorm_fwd_reference(x, w, 1e-5, **q)
     scale = fp8_quant.scale_from_amax(fp8_quant.group_amax_reference(gate), "e4m3")
     nf, nd = rows * F, rows * D
+
+    def cast(fmt):
+        return (
+            (gate, scale),
+            lambda t: (
+                lambda a, s: fp8_quant.scaled_cast_pallas(
+                    a, s, fmt=fmt, tiles=t, interpret=interpret
+                )
+            ),
+            lambda a, s: fp8_quant.quant.cast_to_fp8(a.astype(jnp.float32) / s, fmt),
+            False,
+            nf * 3,
+        )
+
     return {
         "SwiGLU forward": (
             (gate, up),
@@ -115,28 +128,8 @@ def ops(rows: int, interpret: bool = False):
             False,
             nf * (2 + 2 + 4) + 2 * (nf // 16),
         ),
-        "cast to E4M3": (
-            (gate, scale),
-            lambda t: (
-                lambda a, s: fp8_quant.scaled_cast_pallas(
-                    a, s, fmt="e4m3", tiles=t, interpret=interpret
-                )
-            ),
-            lambda a, s: fp8_quant.quant.cast_to_fp8(a.astype(jnp.float32) / s, "e4m3"),
-            False,
-            nf * 3,
-        ),
-        "cast to E5M2": (
-            (gate, scale),
-            lambda t: (
-                lambda a, s: fp8_quant.scaled_cast_pallas(
-                    a, s, fmt="e5m2", tiles=t, interpret=interpret
-                )
-            ),
-            lambda a, s: fp8_quant.quant.cast_to_fp8(a.astype(jnp.float32) / s, "e5m2"),
-            False,
-            nf * 3,
-        ),
+        "cast to E4M3": cast("e4m3"),
+        "cast to E5M2": cast("e5m2"),
         "1x16 quantizer [rows, 4096]": (
             (x,),
             lambda t: (
@@ -229,12 +222,7 @@ def main(argv=None):
             print(f"{name}, {setting}: {t['median_s'] * 1e3:.3f} ms, equal {same}", flush=True)
     text = report(rows, args)
     print(text)
-    if args.out:
-        with open(args.out + ".jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        with open(args.out + ".md", "w") as f:
-            f.write("# Tile sizes of the Pallas FP8 activation kernels\n\n" + text + "\n")
+    C.write_results(args.out, rows, "Tile sizes of the Pallas FP8 activation kernels", text)
 
 
 def _times(t, nbytes):
