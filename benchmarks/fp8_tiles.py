@@ -8,9 +8,10 @@ backward, the 1x16 quantizer) at Llama-2-7B's shapes (``--rows`` tokens by 4096 
 is batch 20 x 2048) under each tile setting of :data:`SETTINGS`, and XLA's fusion of the op's
 jnp reference beside them. The ``pallas_kernels.fp8_quant.DEFAULT_TILES`` row is the default; the
 table gives each setting's time relative to it. Every kernel's outputs under every setting are
-compared with the default's: equal bit for bit, except the RMSNorm backward's weight gradient,
-which sums per-block partial sums (the block rows change the order of that sum, hence its
-rounding; the table gives the largest absolute difference). Writes ``OUT.jsonl`` and ``OUT.md`` with device, JAX version, date and command.
+compared with the default's: the element-wise kernels' are equal bit for bit under every
+setting; the RMSNorm kernels' row reductions depend on the number of warps, and the backward's
+weight gradient sums per-block partial sums, so those may differ in rounding (the table gives
+the largest absolute difference). Writes ``OUT.jsonl`` and ``OUT.md`` with device, JAX version, date and command.
 Compiled as the trainer compiles COAT on a GPU (``fp8_compiler_options``, no excess precision).
 ``--interpret --rows 64 --reps 1``: a CPU smoke test of the script (times mean nothing there).
 """

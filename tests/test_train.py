@@ -204,6 +204,13 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
     )
     model_def = loop.model_def_for(big.model, big)
     assert model_def.bind(model_def.abstract_params).fp8_config.implementation == "auto"
+    # The width is the built model's (init_from takes it from a checkpoint, not cfg.model).
+    assert fp8_ops_auto(narrow, hidden_size=FP8_PALLAS_MIN_HIDDEN) == "auto"
+    assert fp8_ops_auto(big, hidden_size=FP8_PALLAS_MIN_HIDDEN // 2) == "xla"
+    model_def = loop.model_def_for(big.model, narrow)
+    assert model_def.bind(model_def.abstract_params).fp8_config.implementation == "auto"
+    model_def = loop.model_def_for(narrow.model, big)
+    assert model_def.bind(model_def.abstract_params).fp8_config.implementation == "xla"
     with pytest.raises(ValueError, match="devices must be at least 1"):
         fp8_ops_auto(big, devices=0)
 

@@ -114,11 +114,13 @@ class TrainConfig:
       kernel either way. With any other ``kernels``, as ``kernels``. ``fp8_kernels: pallas``
       runs the Pallas kernels of the FP8 ops, ``auto`` the Pallas kernels where one runs (a
       GPU; a shape a kernel cannot take falls back to XLA op by op) and the references
-      elsewhere. Measured on the H200 (docs/bench_fp8_kernels.md): Llama-2-7B, XLA's fusions
-      2.2% faster at batch 1, level at batch 4, the Pallas kernels 0.9% to 2.8% faster at
-      batches 8 to 20; the 76M model, XLA's fusions faster at 16384 and 65536 tokens.
+      elsewhere. The choice follows ``batch_size``: ``--plan`` compiles its other batch sizes
+      with it. Measured on the H200 (docs/bench_fp8_kernels.md), the Pallas kernels' tokens/s
+      against XLA's fusions': Llama-2-7B 2.2% lower at batch 1, level at batch 4, 0.9% to 2.8%
+      higher at batches 8 to 20; the 76M model 3.5% and 4.0% lower at 16384 and 65536 tokens.
     - ``fp8_op_kernels``: exceptions to ``fp8_kernels``, op by op:
-      ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``) with ops
+      ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``, which a
+      ``base:`` file's mapping merges into op by op, as for any mapping) with ops
       ``quantize_per_tensor`` (the linear layers' per-tensor quantizer),
       ``quantize_per_group`` (FP8 attention's q, k, v), ``rmsnorm``,
       ``silu``, ``mul``, ``swiglu`` and implementations ``auto``, ``xla``, ``pallas``

@@ -109,8 +109,8 @@ def _split_params(model) -> tuple[Any, Any]:
 def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelDef:
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
-    ``cfg.fp8_kernels`` (unset: by each device's activation size with ``kernels: auto``, else as
-    ``cfg.kernels``; ``optimizers.kernel_options``) picks where the FP8 ops run; with ``mesh`` (a program on
+    ``cfg.fp8_kernels`` (unset with ``kernels: auto``: by the model's width and the tokens per
+    device, ``optimizers.fp8_ops_auto``; else as ``cfg.kernels``) picks where the FP8 ops run; with ``mesh`` (a program on
     several devices) their Pallas kernels, where chosen, run on each shard
     (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes, weights as
     the trainer's FSDP rule places them.
@@ -131,7 +131,12 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         attention="xla" if cfg.deterministic else "auto",
         codes_barrier=codes_barrier(cfg),
         op_implementations=parse_op_kernels(cfg.fp8_op_kernels),
-        **kernel_options(cfg, fp8_ops=True, devices=1 if mesh is None else mesh.devices.size),
+        **kernel_options(
+            cfg,
+            fp8_ops=True,
+            devices=1 if mesh is None else mesh.devices.size,
+            hidden_size=llama_cfg.hidden_size,
+        ),
         **placement,
     )
     graphdef, state = _split_params(abstract)

@@ -98,39 +98,46 @@ def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransfor
 # ``auto`` (the Pallas kernels where they run, XLA's fusions elsewhere) for a model at least
 # FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS microbatch tokens per device,
 # ``xla`` (XLA's fusions of the jnp references, fused into their neighbours) otherwise. Measured
-# on the H200 with train.py's step (docs/bench_fp8_kernels.md, twentieth session): Llama-2-7B
-# (hidden 4096) at sequence 2048 with the memory options, the Pallas kernels against XLA's
-# fusions: 2.2% slower at batch 1, 0.5% slower at 2, level at 4 (+0.3%), 0.9% to 2.8% faster at
-# 8 to 20 (16384 to 40960 tokens); the 76M model (hidden 768) 3.5% slower at 16384 tokens and
-# 4.0% slower at 65536. Nothing between hidden 768 and 4096 was measured.
+# on the H200 with train.py's step (docs/bench_fp8_kernels.md): Llama-2-7B (hidden 4096) at
+# sequence 2048 with the memory options, the Pallas kernels' tokens/s against XLA's fusions':
+# 2.2% lower at batch 1, 0.5% lower at 2, level at 4 (+0.3%), 0.9% to 2.8% higher at 8 to 20
+# (16384 to 40960 tokens); the 76M model (hidden 768) 3.5% lower at 16384 tokens and 4.0% lower
+# at 65536. Nothing between hidden 768 and 4096 was measured.
 FP8_PALLAS_MIN_HIDDEN = 4096
 FP8_PALLAS_MIN_TOKENS = 16384
 
 
-def fp8_ops_auto(cfg: TrainConfig, devices: int = 1) -> str:
+def fp8_ops_auto(cfg: TrainConfig, devices: int = 1, hidden_size: int | None = None) -> str:
     """The FP8 activation ops' implementation for ``fp8_kernels`` unset under ``kernels: auto``
-    on ``devices`` devices sharing the batch: ``"auto"`` when ``model.hidden_size`` is at least
+    on ``devices`` devices sharing the batch: ``"auto"`` when the model's width
+    (``hidden_size``, default ``cfg.model.hidden_size``; the trainer passes the width of the
+    model it builds, which ``init_from`` takes from the checkpoint) is at least
     :data:`FP8_PALLAS_MIN_HIDDEN` and each device's microbatch (``batch_size * seq_len /
-    devices`` tokens) at least :data:`FP8_PALLAS_MIN_TOKENS`, else ``"xla"``."""
+    devices`` tokens) at least :data:`FP8_PALLAS_MIN_TOKENS`, else ``"xla"``. The choice is
+    made once, for ``cfg.batch_size``: a program built from ``cfg`` and compiled at other batch
+    sizes (``train.py --plan``, ``benchmarks/bench_e2e.py``'s batch search) keeps it."""
     if devices < 1:
         raise ValueError(f"devices must be at least 1, got {devices}")
     tokens = cfg.batch_size * cfg.seq_len / devices
-    wide = cfg.model.hidden_size >= FP8_PALLAS_MIN_HIDDEN
+    width = cfg.model.hidden_size if hidden_size is None else hidden_size
+    wide = width >= FP8_PALLAS_MIN_HIDDEN
     return "auto" if wide and tokens >= FP8_PALLAS_MIN_TOKENS else "xla"
 
 
-def kernel_options(cfg: TrainConfig, *, fp8_ops: bool = False, devices: int = 1) -> dict:
+def kernel_options(
+    cfg: TrainConfig, *, fp8_ops: bool = False, devices: int = 1, hidden_size: int | None = None
+) -> dict:
     """``implementation`` and ``interpret`` of the kernels for ``cfg.kernels``; with
     ``fp8_ops``, of the FP8 activation ops: ``cfg.fp8_kernels`` where set, else
-    :func:`fp8_ops_auto` (for ``devices`` devices sharing the batch) under ``kernels: auto``
-    and ``kernels`` otherwise (``pallas`` and ``interpret`` keep the Pallas kernels of every
-    op)."""
+    :func:`fp8_ops_auto` (for ``devices`` devices sharing the batch and a model
+    ``hidden_size`` wide) under ``kernels: auto`` and ``kernels`` otherwise (``pallas`` and
+    ``interpret`` keep the Pallas kernels of every op)."""
     interpret = cfg.kernels == "interpret"
     implementation = "auto" if interpret else cfg.kernels
     if fp8_ops and cfg.fp8_kernels is not None:
         implementation = cfg.fp8_kernels
     elif fp8_ops and cfg.kernels == "auto":
-        implementation = fp8_ops_auto(cfg, devices)
+        implementation = fp8_ops_auto(cfg, devices, hidden_size)
     return dict(implementation=implementation, interpret=interpret)
 
 
