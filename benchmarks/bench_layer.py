@@ -1000,8 +1000,7 @@ def main(argv=None) -> None:
         default="default",
         help="comma-separated fp8_kernels options for the fp8 and coat modes (default: unset, "
         "the trainer's default, by shape with kernels=auto: optimizers.fp8_ops_auto; xla: XLA's "
-        "fusions of the jnp "
-        "references; pallas: the Pallas kernels; auto: Pallas where one runs)",
+        "fusions of the jnp references; pallas: the Pallas kernels; auto: Pallas where one runs)",
     )
     p.add_argument(
         "--optimizer",

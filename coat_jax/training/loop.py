@@ -110,10 +110,10 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
     ``cfg.fp8_kernels`` (unset with ``kernels: auto``: by the model's width and the tokens per
-    device, ``optimizers.fp8_ops_auto``; else as ``cfg.kernels``) picks where the FP8 ops run; with ``mesh`` (a program on
-    several devices) their Pallas kernels, where chosen, run on each shard
-    (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes, weights as
-    the trainer's FSDP rule places them.
+    device, ``optimizers.fp8_ops_auto``; else as ``cfg.kernels``) picks where the FP8 ops run;
+    with ``mesh`` (a program on several devices) their Pallas kernels, where chosen, run on
+    each shard (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes,
+    weights as the trainer's FSDP rule places them.
     """
     abstract = nnx.eval_shape(lambda: new_model(llama_cfg, cfg, jax.random.key(0)))
     placement = {}
