@@ -75,11 +75,12 @@ def llama2_7b_shapes(
 
 
 def parse_setting(text: str) -> ca.KernelConfig:
-    """A kernel launch setting from ``rows/warps[/sN][/tN][/flat][/exact]``, e.g. ``16/4/t4/s2``.
+    """A kernel launch setting from ``rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded]``,
+    e.g. ``16/4/t4/s2`` (``folded``: ``KernelConfig.folded=True``).
 
     Example:
-      >>> parse_setting("32/8/t2/flat")
-      KernelConfig(block_rows=32, num_warps=8, num_stages=1, fast_math=True, flat_stats=True, tiles=2)
+      >>> parse_setting("32/8/t2/flat/folded")
+      KernelConfig(block_rows=32, num_warps=8, num_stages=1, fast_math=True, flat_stats=True, tiles=2, folded=True)
     """
     rows, warps, *rest = text.split("/")
     kw = dict(block_rows=int(rows), num_warps=int(warps))
@@ -88,6 +89,8 @@ def parse_setting(text: str) -> ca.KernelConfig:
             kw["flat_stats"] = True
         elif part == "exact":
             kw["fast_math"] = False
+        elif part in ("folded", "unfolded"):
+            kw["folded"] = part == "folded"
         elif part[:1] in ("s", "t") and part[1:].isdigit():
             kw["num_stages" if part[0] == "s" else "tiles"] = int(part[1:])
         else:
@@ -358,10 +361,16 @@ def main(argv=None):
     ap.add_argument(
         "--sweep-settings",
         default="",
-        help="comma-separated launch settings to sweep instead (rows/warps[/sN][/tN][/flat])",
+        help="comma-separated launch settings to sweep instead "
+        "(rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded])",
     )
     ap.add_argument(
         "--best-full", action="store_true", help="also run the whole tree with the sweep's best"
+    )
+    ap.add_argument(
+        "--full-settings",
+        default="",
+        help="comma-separated launch settings to also run on the whole tree (fused apply)",
     )
     ap.add_argument(
         "--stacked",
@@ -441,6 +450,8 @@ def main(argv=None):
         candidates.append(("coat_adamw pallas (fused apply, mesh=1)", applied_step(tx), 0))
     if args.best_full and best is not None and best != ca.DEFAULT_CONFIG:
         candidates.append((f"fused apply, {best}", fused_coat_adamw(best), 0))
+    for text in filter(None, args.full_settings.split(",")):
+        candidates.append((f"fused apply, {text}", fused_coat_adamw(parse_setting(text)), 0))
     # Last: the jnp path compiles slowest, and the others must not wait on it.
     candidates.append(("coat_adamw jnp (xla)", chain_step(coat("xla")), update_bytes))
     only = [s for s in args.only.split(",") if s]

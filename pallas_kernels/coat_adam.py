@@ -393,6 +393,16 @@ class KernelConfig:
       tiles: tiles of ``block_rows`` groups each program handles, one after another in a loop
         (with ``num_stages > 1`` Triton may prefetch the next tile's loads under the current
         tile's arithmetic). ``1``: one tile per program, no loop.
+      folded: with ``fast_math``, fold each group's constants into the powers' exponents, so
+        that an element costs one multiply-add between ``lg2`` and ``ex2`` instead of the
+        divisions and products around them. Quantizing ``x`` stores
+        ``fp8(fmax * ex2(k * (lg2|x| - lg2(mx))))``, which is ``y / s`` of the reference since
+        ``s = (mx / c)**k / fmax``; dequantizing ``q`` gives ``ex2(lg2|q| / k + D)`` with the
+        group's ``D = lg2(s) / k + lg2(c)``; the second moment, never negative, skips the sign;
+        the bias corrections and the gradient's clip factor fold into scalars
+        (``m * sqrt(1 - b2**t) / (1 - b1**t) / (sqrt(v) + eps * sqrt(1 - b2**t))``). The same
+        values up to float32 rounding; the statistics are computed as without it. No effect
+        without ``fast_math``.
     """
 
     # Best of the settings timed on an H200 (docs/benchmarks.md, docs/notes_optimizer_kernel.md:
@@ -403,6 +413,9 @@ class KernelConfig:
     fast_math: bool = True
     flat_stats: bool = True
     tiles: int = 1
+    # Off until timed on an H200: built in a session without one (docs/notes_optimizer_kernel.md,
+    # "v4"), where its compiled instruction count was all that could be measured.
+    folded: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps", "tiles"):
@@ -413,11 +426,10 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.num_stages must be a positive int, got {self.num_stages!r}"
             )
-        if not isinstance(self.flat_stats, bool) or not isinstance(self.fast_math, bool):
-            raise ValueError(
-                f"KernelConfig.fast_math and flat_stats must be bools, got {self.fast_math!r} "
-                f"and {self.flat_stats!r}"
-            )
+        for name in ("fast_math", "flat_stats", "folded"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"KernelConfig.{name} must be a bool, got {value!r}")
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -492,6 +504,11 @@ def _hyper_vector(
     return jnp.pad(vec, (0, _HYPER_SIZE - len(values)))
 
 
+def _flush(x):
+    """``x`` with subnormal values as (signed) zeros: the GPU's flush-to-zero, in jnp."""
+    return jnp.where(jnp.abs(x) < jnp.finfo(jnp.float32).tiny, x * 0.0, x)
+
+
 class _Math:
     """Element-wise operations whose fast form differs between Triton and interpret mode.
 
@@ -500,8 +517,9 @@ class _Math:
     GPU, powers go through the approximate ``ex2``/``lg2`` instructions and reciprocals, square
     roots and the update's division through ``rcp.approx``/``sqrt.approx``. Interpret mode has
     no PTX: there the powers run as ``exp2(e * log2(a))`` and the divisions as products with the
-    reciprocal in jnp, the rest exactly. The ``.ftz`` forms appear only where the argument or a
-    flushed result cannot matter (noted at each call).
+    reciprocal in jnp, the rest exactly, and the ``.ftz`` forms flush subnormal values as the GPU
+    does. The ``.ftz`` forms appear only where the argument or a flushed result cannot matter
+    (noted at each call), or in the branch a tile takes when it holds no subnormal value.
     """
 
     def __init__(self, fast: bool, native: bool):
@@ -518,15 +536,43 @@ class _Math:
         )
         return out
 
+    def log2(self, a, *, ftz=False):
+        """``log2(a)`` for ``a >= 0`` (``-inf`` at 0), approximate on the GPU (fast math).
+
+        ``ftz``: a subnormal ``a`` reads as 0, as the GPU's ``.ftz`` form does; interpret mode
+        flushes the same way, so that CPU tests see what the flush loses.
+        """
+        if self.native:
+            return self._asm("lg2.approx.ftz.f32" if ftz else "lg2.approx.f32", a)
+        return jnp.log2(_flush(a) if ftz else a)
+
+    def exp2(self, x, *, ftz=False):
+        """``2 ** x`` (``0`` at ``-inf``), approximate on the GPU (fast math); ``ftz``: a
+        subnormal result is 0 (interpret mode too)."""
+        if self.native:
+            return self._asm("ex2.approx.ftz.f32" if ftz else "ex2.approx.f32", x)
+        return _flush(jnp.exp2(x)) if ftz else jnp.exp2(x)
+
+    def fma(self, a, b, c):
+        """``a * b + c``; on the GPU one fused multiply-add (Triton's ``mul.rn``/``add.rn`` are
+        never contracted). The operands broadcast to one shape."""
+        if not self.native:
+            return a * b + c
+        shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
+        (out,) = pl_triton.elementwise_inline_asm(
+            "fma.rn.f32 $0, $1, $2, $3;",
+            args=[jnp.broadcast_to(x, shape) for x in (a, b, c)],
+            constraints="=f,f,f,f",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
+        )
+        return out
+
     def power(self, a, e, *, ftz_log=False, ftz_exp=False):
         """``a ** e`` for ``a >= 0`` and ``e > 0``; ``lg2(0) = -inf`` and ``ex2(-inf) = 0``."""
         if not self.fast:
             return jnp.power(a, e)
-        if self.native:
-            lg2 = "lg2.approx.ftz.f32" if ftz_log else "lg2.approx.f32"
-            ex2 = "ex2.approx.ftz.f32" if ftz_exp else "ex2.approx.f32"
-            return self._asm(ex2, e * self._asm(lg2, a))
-        return jnp.exp2(e * jnp.log2(a))
+        return self.exp2(e * self.log2(a, ftz=ftz_log), ftz=ftz_exp)
 
     def reciprocal(self, d):
         """``1 / d`` of a normal, per-group or scalar ``d`` (flushing is moot).
@@ -541,12 +587,41 @@ class _Math:
         """``x / d`` for ``d`` constant along the group (a per-group or scalar divisor)."""
         return x * self.reciprocal(d) if self.fast else x / d
 
-    def adam_direction(self, m_hat, v_hat, eps):
-        """``m_hat / (sqrt(v_hat) + eps)``."""
+    def adam_direction(self, m_hat, v_hat, eps, *, ftz_sqrt=False):
+        """``m_hat / (sqrt(v_hat) + eps)``; ``ftz_sqrt`` where a subnormal ``v_hat`` may read
+        as 0 (its root, below 1.1e-19, vanishes next to any float32 ``eps`` above 1e-12)."""
         if not self.native:
+            # (No flush here: it could move the quotient by rounding only.)
             return m_hat / (jnp.sqrt(v_hat) + eps)
         # sqrt.approx maps +0 to +0 and rcp.approx.ftz is exact enough for eps-sized values.
-        return m_hat * self._asm("rcp.approx.ftz.f32", self._asm("sqrt.approx.f32", v_hat) + eps)
+        sqrt = "sqrt.approx.ftz.f32" if ftz_sqrt else "sqrt.approx.f32"
+        return m_hat * self._asm("rcp.approx.ftz.f32", self._asm(sqrt, v_hat) + eps)
+
+
+# Bits of float32's smallest normal, 2**-126: below it the GPU's flush-to-zero forms of
+# lg2/ex2 lose values, and the exact forms cost a compare, a select and a multiply more.
+_MIN_NORMAL_BITS = 0x00800000
+
+
+def _branch(exact, fast_fn, exact_fn):
+    """``exact_fn()`` where the scalar ``exact`` holds, else ``fast_fn()``: one branch per tile,
+    so that tiles without subnormal values (all of them in practice) run the flush-to-zero
+    forms. Both compute the same values wherever no value is subnormal."""
+    return lax.cond(exact, exact_fn, fast_fn)
+
+
+def _has_subnormal(least_minus_one):
+    """Whether a tile holds a subnormal non-zero value, from each group's smallest non-zero
+    ``|x|`` as its unsigned bits minus 1 (an all-zero group: the largest unsigned value)."""
+    return jnp.min(least_minus_one) < jnp.uint32(_MIN_NORMAL_BITS - 1)
+
+
+def _dequantizes_below_normal(inv_expand, offset, code_dtype):
+    """Whether a tile's dequantized values may be subnormal: the smallest non-zero value a group
+    holds is its smallest code's, ``ex2(lg2(smallest) / k + offset)``; a margin of 1 in the
+    exponent covers the approximate logs."""
+    smallest = math.log2(float(jnp.finfo(code_dtype).smallest_subnormal))
+    return jnp.min(inv_expand * smallest + offset) < -125.0
 
 
 def _copysign(magnitude, x):
@@ -579,9 +654,33 @@ def _column(v, flat: bool):
     return v[:, None] if flat else v
 
 
-def _dequantize(codes, scale, expand, center, math_: _Math, flat: bool = False):
-    """Float32 moment of one tile, as :meth:`QuantizedTensor.dequantize` computes it."""
+def _dequantize(
+    codes, scale, expand, center, math_: _Math, flat: bool = False, folded=False, signed=True
+):
+    """Float32 moment of one tile, as :meth:`QuantizedTensor.dequantize` computes it.
+
+    ``folded`` (``KernelConfig.folded``, fast math only): ``ex2(lg2|q| / k + D)`` per element,
+    with the group's ``D = lg2(s) / k + lg2(c)``; ``signed=False`` for a moment whose codes are
+    never negative (the sign is then not copied).
+    """
     q = codes.astype(jnp.float32)
+    if expand is not None and folded:
+        inv_expand = math_.reciprocal(_flat(expand, flat))
+        offset = inv_expand * math_.log2(_flat(scale, flat)) + math_.log2(_flat(center, flat))
+        # |q| >= the smallest code, 2**-16: never subnormal, so lg2 may flush.
+        exponent = math_.fma(
+            _column(inv_expand, flat),
+            math_.log2(jnp.abs(q), ftz=True),
+            _column(offset, flat),
+        )
+        exact = _dequantizes_below_normal(inv_expand, offset, codes.dtype)
+
+        power = _branch(
+            exact,
+            lambda: math_.exp2(exponent, ftz=True),
+            lambda: math_.exp2(exponent, ftz=False),
+        )
+        return _copysign(power, q) if signed else power
     y = q * scale
     if expand is None:
         return y
@@ -590,14 +689,25 @@ def _dequantize(codes, scale, expand, center, math_: _Math, flat: bool = False):
     return _copysign(math_.power(jnp.abs(y), inv_expand, ftz_log=True), y) * center
 
 
-def _quantize(x, fmt, expansion, expand_min, log2_range, math_: _Math, flat: bool = False):
+def _quantize(
+    x,
+    fmt,
+    expansion,
+    expand_min,
+    log2_range,
+    math_: _Math,
+    flat: bool = False,
+    folded=False,
+    signed=True,
+):
     """Codes and statistics of one tile of groups (one group per row), as the reference does.
 
     The statistics repeat ``quant.dre_statistics`` / ``quant.quantize_absmax`` operation by
     operation up to the exponent k, which a floor makes discontinuous; the centre and scale,
     continuous in their inputs, and the per-element work follow ``math_``. With ``flat`` the
     per-group arithmetic runs on ``[groups]`` vectors (``KernelConfig.flat_stats``): the same
-    operations on the same values.
+    operations on the same values. ``folded`` and ``signed``: as in :func:`_dequantize`, the codes
+    as ``fmax * ex2(k * (lg2|x| - lg2(mx)))`` (``y / s`` of the reference).
     """
     fmax = quant.FP8_MAX[fmt]
     dtype = quant.FORMATS[fmt]
@@ -615,18 +725,40 @@ def _quantize(x, fmt, expansion, expand_min, log2_range, math_: _Math, flat: boo
         codes = jnp.clip(per_element_divide(x, scale), -fmax, fmax).astype(dtype)
         return codes, (_column(scale, flat),)
     mx = _flat(jnp.max(a, axis=1, keepdims=True), flat) + quant.DRE_TINY
-    nonzero_min = _flat(jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True), flat)
-    mn = jnp.where(jnp.isfinite(nonzero_min), nonzero_min, 0.0) + quant.DRE_TINY
+    if folded:
+        # The smallest non-zero |x| in two integer operations per element: non-negative floats
+        # order as their bits, and ``bits - 1`` wraps 0 to the largest unsigned value. An
+        # all-zero group gives 0, as the reference's fallback does (finite groups: the same).
+        bits = lax.bitcast_convert_type(a, jnp.uint32) - jnp.uint32(1)
+        least = jnp.min(bits, axis=1, keepdims=True)
+        subnormal = _has_subnormal(least)
+        least = lax.bitcast_convert_type(least + jnp.uint32(1), jnp.float32)
+        mn = _flat(least, flat) + quant.DRE_TINY
+    else:
+        nonzero_min = _flat(jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True), flat)
+        mn = jnp.where(jnp.isfinite(nonzero_min), nonzero_min, 0.0) + quant.DRE_TINY
     c = jnp.sqrt(mx) * jnp.sqrt(mn)
     k = jnp.floor(log2_range / _log2_ratio(mx, mn) * expand_min) / expand_min
     k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)
     s = math_.divide(math_.power(math_.divide(mx, c), k), fmax)
+    stats = (_column(s, flat), _column(k, flat), _column(c, flat))
+    if folded:
+        # The difference of logs, not the log of |x| / mx: that ratio underflows in wide
+        # groups. |x| <= mx, so the power is at most fmax up to the approximation's rounding;
+        # the minimum keeps the cast in range. A flushed ex2 would round to code 0 anyway.
+        log_a = _branch(
+            subnormal, lambda: math_.log2(a, ftz=True), lambda: math_.log2(a, ftz=False)
+        )
+        log_ratio = log_a - _column(math_.log2(mx), flat)
+        power = math_.exp2(math_.fma(_column(k, flat), log_ratio, math.log2(fmax)), ftz=True)
+        power = jnp.minimum(power, fmax)
+        return (_copysign(power, x) if signed else power).astype(dtype), stats
     # An ex2 result below 2**-126 ends as code 0 after the division by s >= 1 / fmax, so the
     # exponential may flush; the log's argument |x / c| stays exact (extreme groups reach
     # subnormal ratios).
     y = _copysign(math_.power(jnp.abs(per_element_divide(x, c)), _column(k, flat), ftz_exp=True), x)
     codes = jnp.clip(per_element_divide(y, s), -fmax, fmax).astype(dtype)
-    return codes, (_column(s, flat), _column(k, flat), _column(c, flat))
+    return codes, stats
 
 
 def _kernel(
@@ -643,6 +775,7 @@ def _kernel(
     flat: bool,
     native: bool,
     stacked: bool = False,
+    folded: bool = False,
 ):
     n_moment = 4 if spec.expansion else 2
     refs = list(refs)
@@ -653,6 +786,7 @@ def _kernel(
     nu_out = refs[3 * n_moment + 1 :]
     gs = spec.group_size
     math_ = _Math(fast_math, native)
+    folded = folded and fast_math
     h = [hyper_ref[i] for i in range(_INDEX + 1)]
     expand_min = h[_EXPAND_MIN]
     # Masks only where the shape leaves a ragged edge, so the common case issues plain loads.
@@ -702,37 +836,65 @@ def _kernel(
             else:
                 pl_triton.store(view, value.astype(ref.dtype), mask=mask)
 
-        def moment_in(moment_refs):
+        def moment_in(moment_refs, signed):
             codes = load(moment_refs[0], tile_mask, 0)
             # Statistics of padding rows read as 1 so those rows compute finite garbage.
             stats = [load(r, row_mask, 1) for r in moment_refs[1:]]
             if not spec.expansion:
                 return _dequantize(codes, stats[0], None, None, math_, flat)
-            return _dequantize(codes, *stats, math_, flat)
+            return _dequantize(codes, *stats, math_, flat, folded=folded, signed=signed)
 
-        def moment_out(moment_refs, x, fmt, log2_range):
-            codes, stats = _quantize(x, fmt, spec.expansion, expand_min, log2_range, math_, flat)
+        def moment_out(moment_refs, x, fmt, log2_range, signed):
+            codes, stats = _quantize(
+                x,
+                fmt,
+                spec.expansion,
+                expand_min,
+                log2_range,
+                math_,
+                flat,
+                folded=folded,
+                signed=signed,
+            )
             store(moment_refs[0], codes, tile_mask)
             for r, value in zip(moment_refs[1:], stats, strict=True):
                 store(r, value, row_mask)
 
-        # The gradient times its clip factor (exactly 1 unless the caller clips).
-        g = load(grad_ref, tile_mask, 0).astype(jnp.float32) * h[_GRAD_SCALE]
-        m = moment_in(mu_in)
-        v = moment_in(nu_in)
-        # adam_moments_and_update, operation by operation.
-        m = h[_B1] * m + h[_C1] * g
-        v = h[_B2] * v + h[_C2] * g * g
-        update = math_.adam_direction(math_.divide(m, h[_BC1]), math_.divide(v, h[_BC2]), h[_EPS])
+        g = load(grad_ref, tile_mask, 0).astype(jnp.float32)
+        m = moment_in(mu_in, True)
+        # The second moment is never negative (its codes neither).
+        v = moment_in(nu_in, False)
+        if folded:
+            # The clip factor and the bias corrections as scalars (KernelConfig.folded).
+            gs = h[_GRAD_SCALE]
+            m = math_.fma(h[_B1], m, (h[_C1] * gs) * g)
+            v = math_.fma(h[_B2], v, ((h[_C2] * gs) * gs * g) * g)
+            root_bc2 = jnp.sqrt(h[_BC2])
+            update = math_.adam_direction(
+                m * (root_bc2 / h[_BC1]), v, h[_EPS] * root_bc2, ftz_sqrt=True
+            )
+        else:
+            # The gradient times its clip factor (exactly 1 unless the caller clips), then
+            # adam_moments_and_update operation by operation.
+            g = g * h[_GRAD_SCALE]
+            m = h[_B1] * m + h[_C1] * g
+            v = h[_B2] * v + h[_C2] * g * g
+            update = math_.adam_direction(
+                math_.divide(m, h[_BC1]), math_.divide(v, h[_BC2]), h[_EPS]
+            )
         update = update.astype(grad_ref.dtype)
         if apply:
             p = load(param_ref, tile_mask, 0).astype(jnp.float32)
-            u = update.astype(jnp.float32) + h[_WD] * p
-            store(out_ref, p + u * h[_NEG_LR], tile_mask)
+            if folded:
+                u = math_.fma(h[_WD], p, update.astype(jnp.float32))
+                store(out_ref, math_.fma(u, h[_NEG_LR], p), tile_mask)
+            else:
+                u = update.astype(jnp.float32) + h[_WD] * p
+                store(out_ref, p + u * h[_NEG_LR], tile_mask)
         else:
             store(out_ref, update, tile_mask)
-        moment_out(mu_out, m, spec.mu_format, h[_RANGE_MU])
-        moment_out(nu_out, v, spec.nu_format, h[_RANGE_NU])
+        moment_out(mu_out, m, spec.mu_format, h[_RANGE_MU], True)
+        moment_out(nu_out, v, spec.nu_format, h[_RANGE_NU], False)
 
     def body(t, carry):
         tile(t)
@@ -878,6 +1040,7 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret, stacked=
         flat=config.flat_stats,
         native=not interpret,
         stacked=stacked,
+        folded=config.folded,
     )
     compiler_params = (
         None

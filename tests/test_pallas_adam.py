@@ -28,6 +28,11 @@ HYPER = dict(b1=0.9, b2=0.999, eps=1e-8, expand_min=16)
 STEPS = 4
 # Codes may differ at rounding ties only: by one code, in at most this fraction of elements.
 MAX_TIE_FRACTION = 0.005
+# The kernel's two forms of the arithmetic (KernelConfig.folded).
+FORMS = [
+    pytest.param(ca.KernelConfig(folded=False), id="unfolded"),
+    pytest.param(ca.KernelConfig(folded=True), id="folded"),
+]
 
 
 def _zero_moment(shape, fmt, spec):
@@ -123,10 +128,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape,expansion,mu_format,nu_format,dtype", CASES)
-def test_kernel_matches_reference(mode, shape, expansion, mu_format, nu_format, dtype):
+def test_kernel_matches_reference(mode, form, shape, expansion, mu_format, nu_format, dtype):
     spec = ca.MomentSpec(mu_format=mu_format, nu_format=nu_format, expansion=expansion)
-    step = _step_fn(mode, spec)
+    step = _step_fn(mode, spec, form)
     mu, nu = _zero_moment(shape, mu_format, spec), _zero_moment(shape, nu_format, spec)
     grads = _fixed_sign_grads(jax.random.key(sum(shape)), shape, dtype, STEPS)
     for t, g in enumerate(grads, start=1):
@@ -227,12 +233,62 @@ def test_flat_statistics_and_tile_loops_equal_the_default_launch(mode, config, s
 
 
 @pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize("folded", [True, False], ids=["folded", "unfolded"])
+@pytest.mark.parametrize("grad_scale", [None, 0.37], ids=["no_clip", "clip"])
+def test_folded_and_unfolded_powers_match_the_reference(mode, folded, grad_scale):
+    """``KernelConfig.folded`` (the default) and the operation-by-operation arithmetic both meet
+    the reference's bounds over several fused-apply steps, with and without a clip factor (which
+    the folded form moves into scalars); the two forms really compute differently (interpret
+    mode: some output differs in its low bits)."""
+    spec = ca.MomentSpec(nu_format="e5m2")
+    shape = (9, 384)
+    kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
+
+    def apply(config):
+        return jax.jit(
+            lambda p, g, mu, nu, t: ca.coat_adamw_apply(
+                p,
+                g,
+                mu,
+                nu,
+                count=t,
+                implementation="pallas",
+                interpret=mode == "interpret",
+                config=config,
+                **kw,
+            )
+        )
+
+    step, other = apply(ca.KernelConfig(folded=folded)), apply(ca.KernelConfig(folded=not folded))
+    p = jax.random.normal(jax.random.key(21), shape, jnp.float32)
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
+    differs = False
+    grads = _fixed_sign_grads(jax.random.key(22), shape, jnp.bfloat16, 3)
+    for t, g in enumerate(grads, start=1):
+        got = step(p, g, mu, nu, jnp.int32(t))
+        alt = other(p, g, mu, nu, jnp.int32(t))
+        differs |= any(
+            not np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(alt), strict=True)
+        )
+        p_ref, mu, nu = ca.coat_adamw_apply_reference(p, g, mu, nu, count=jnp.int32(t), **kw)
+        np.testing.assert_allclose(got[0], p_ref, rtol=1e-6, atol=3e-3 * _update_rtol(g.dtype))
+        for moment, ref, name in ((got[1], mu, "mu"), (got[2], nu, "nu")):
+            _assert_codes_match(moment.codes, ref.codes, f"step {t} {name}")
+            _assert_stats_match(moment, ref, f"step {t} {name}")
+        p = p_ref
+    if mode == "interpret":
+        assert differs, "folded and unfolded gave identical outputs: is the option wired?"
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape,expansion", [((5, 300), True), ((3, 256), False)])
-def test_kernel_matches_reference_with_cancellation(mode, shape, expansion):
+def test_kernel_matches_reference_with_cancellation(mode, form, shape, expansion):
     """Random-sign gradients: m passes through zero, so its smallest values are ill conditioned;
     codes still agree up to ties and updates to float32 rounding of the largest update."""
     spec = ca.MomentSpec(expansion=expansion, nu_format="e5m2")
-    step = _step_fn(mode, spec)
+    step = _step_fn(mode, spec, form)
     mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
     for t, key in enumerate(jax.random.split(jax.random.key(7), STEPS), start=1):
         g = jax.random.normal(key, shape, jnp.float32)
@@ -244,11 +300,16 @@ def test_kernel_matches_reference_with_cancellation(mode, shape, expansion):
 
 
 @pytest.mark.parametrize("mode", BACKENDS)
-def test_edge_groups(mode):
+@pytest.mark.parametrize("form", FORMS)
+def test_edge_groups(mode, form):
     """All-zero groups, one non-zero value, equal values, denormal-sized and huge gradients
-    (as huge as float32 squares without overflow: g*g feeds the second moment)."""
+    (as huge as float32 squares without overflow: g*g feeds the second moment), and a group
+    whose first moment spans subnormal values to 1e15, whose smallest values still get non-zero
+    codes (k = 1/16): on a GPU the kernel's flush-to-zero fast path must not take that tile (a
+    CPU flushes subnormal values in the reference and in interpret mode alike; the predicates'
+    own test is ``test_tile_predicates_find_subnormal_values``)."""
     spec = ca.MomentSpec()
-    shape = (6, 128)
+    shape = (7, 128)
     rows = [
         np.zeros(128),
         np.eye(1, 128, 5)[0] * 3.0,
@@ -256,9 +317,10 @@ def test_edge_groups(mode):
         np.linspace(1e-38, 1e-36, 128),
         np.linspace(-1e18, 1e18, 128),
         np.geomspace(1e-20, 1e15, 128),
+        np.concatenate([np.geomspace(1e-38, 1e-37, 8), np.geomspace(1e-15, 1e16, 120)]),
     ]
     g = jnp.asarray(np.stack(rows), jnp.float32)
-    step = _step_fn(mode, spec)
+    step = _step_fn(mode, spec, form)
     mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e4m3", spec)
     for t in (1, 2):
         u, k_mu, k_nu = step(g, mu, nu, jnp.int32(t))
@@ -442,6 +504,7 @@ def _stacked_moment(key, shape, fmt, spec, *, positive):
         ((24, 256), True, None),  # 48 groups per element: 3 programs of 16
         ((256,), False, None),  # 2 groups per element: one program of 2
         ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=2)),  # 48 groups, tile loops
+        ((24, 256), True, ca.KernelConfig(folded=True)),
     ],
 )
 def test_stacked_apply_updates_one_element_in_place(mode, shape, expansion, config):
@@ -566,6 +629,8 @@ def test_stacked_apply_with_a_short_last_group_steps_the_slices(backend):
         (None, True),
         (ca.KernelConfig(flat_stats=False, tiles=4, num_stages=2), False),
         (ca.KernelConfig(block_rows=8, tiles=2), True),
+        (ca.KernelConfig(folded=True), False),
+        (ca.KernelConfig(folded=True, block_rows=8, tiles=2), True),
     ],
     ids=str,
 )
@@ -604,3 +669,48 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked):
     assert module.count("__gpu$xla.gpu.triton") == 1
     # Parameter and moments are written in place: every output aliases an input.
     assert module.count("#stablehlo.output_operand_alias<") == 9
+    # The folded arithmetic reaches the kernel (its fused multiply-adds are inline PTX).
+    folded = config is not None and config.folded
+    assert ("fma.rn.f32" in module) == folded
+    assert ("lg2.approx.ftz.f32" in module) and ("ex2.approx.f32" in module)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_tile_predicates_find_subnormal_values(fmt):
+    """The two tests that send a tile of the folded kernel down its exact (no flush-to-zero)
+    branch. A CPU cannot show what a flush loses (it flushes subnormal values in every
+    computation), so they are checked here against float64 arithmetic."""
+    tiny = float(np.finfo(np.float32).tiny)
+    # Each group's smallest non-zero |x| as its bits minus 1 (unsigned; 0 wraps to the max).
+    cases = {(0.0,): False, (tiny,): False, (tiny * 0.99,): True, (1e-45, 1.0): True}
+    for values, want in cases.items():
+        bits = np.asarray(values, np.float32).view(np.uint32) - np.uint32(1)
+        assert bool(ca._has_subnormal(jnp.asarray(bits))) == want, values
+
+    spec = ca.MomentSpec()
+    dtype = quant.FORMATS[fmt]
+    smallest = float(jnp.finfo(dtype).smallest_subnormal)
+    groups = [
+        np.linspace(1e-3, 2e-3, 128),  # narrow: large k, values near the max
+        np.geomspace(1e-20, 1e15, 128),  # wide: k = 1/16
+        np.concatenate([[1e-30], np.geomspace(1e-2, 1e16, 127)]),  # e4m3: below 2**-126
+        np.concatenate([[1e-30], np.geomspace(1e-2, 1e30, 127)]),  # both formats: below
+    ]
+    seen = set()
+    for values in groups:
+        moment = ca.quantize_moment(jnp.asarray(values[None], jnp.float32), fmt, spec, 16)
+        s, k, c = (
+            float(np.asarray(x).item()) for x in (moment.scale, moment.expand, moment.center)
+        )
+        inv = jnp.float32(1.0 / k)
+        offset = inv * jnp.log2(jnp.float32(s)) + jnp.log2(jnp.float32(c))
+        below = bool(ca._dequantizes_below_normal(inv, offset, dtype))
+        # The group's smallest non-zero value, in float64: (smallest code * s)**(1/k) * c.
+        least = (smallest * s) ** (1.0 / k) * c
+        if least < tiny:
+            assert below, (values[:2], least)
+        if not below:
+            assert least >= tiny, (values[:2], least)
+        seen.add(below)
+    assert seen == {True, False}
+    assert bool(ca._dequantizes_below_normal(jnp.float32(16.0), jnp.float32(0.0), dtype))

@@ -1,0 +1,50 @@
+"""benchmarks/kernel_sass.py's reading of a SASS listing (the compile itself needs the CUDA
+plugin and ptxas, which CI lacks): which instructions a tile on the fast path runs."""
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import kernel_sass  # noqa: E402
+
+LISTING = """
+        /*0000*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0010*/                   ISETP.GE.U32.AND P0, PT, R8, 0x7fffff, PT ;
+        /*0020*/              @!P0 BRA 0x60 ;
+        /*0030*/                   MUFU.LG2 R2, |R2| ;
+        /*0040*/                   MUFU.LG2 R3, |R3| ;
+        /*0050*/                   BRA 0xa0 ;
+        /*0060*/                   FSETP.GEU.AND P1, PT, |R2|, 1.1754943508222875e-38, PT ;
+        /*0070*/               @!P1 FMUL R2, R2, 16777216 ;
+        /*0080*/                   MUFU.LG2 R2, R2 ;
+        /*0090*/               @!P1 FADD R2, R2, -24 ;
+        /*00a0*/                   FFMA R2, R2, R6, R7 ;
+        /*00b0*/              @!P2 BRA 0xd0 ;
+        /*00c0*/                   FADD R2, R2, 1 ;
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_fast_path_leaves_out_each_conditions_second_branch():
+    lines = [
+        (int(m[1], 16), m[2]) for m in map(kernel_sass.SASS_LINE.match, LISTING.splitlines()) if m
+    ]
+    assert len(lines) == 14
+    fast = kernel_sass.fast_path(lines)
+    # The if/else's second block (0x60-0x90) is left out; a plain forward branch with no
+    # else (0xb0) keeps both sides.
+    assert [lines[i][0] for i in fast] == [
+        0x00,
+        0x10,
+        0x20,
+        0x30,
+        0x40,
+        0x50,
+        0xA0,
+        0xB0,
+        0xC0,
+        0xD0,
+    ]
+    assert [kernel_sass.opcode(lines[i][1]) for i in fast][-4:] == ["FFMA", "BRA", "FADD", "EXIT"]
