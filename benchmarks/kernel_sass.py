@@ -5,11 +5,12 @@ Usage: ``python benchmarks/kernel_sass.py --settings 16/4,16/4/folded [--out doc
 For each launch setting (``bench_optimizer.parse_setting``'s syntax) this lowers
 ``pallas_kernels.coat_adam.coat_adamw_apply`` for CUDA on a ``[4096, 4096]`` float32 parameter
 with float32 gradients and E4M3 moments with expansion (one Llama-2-7B projection), compiles its
-Triton kernel to PTX with the CUDA plugin's Triton compiler (the one XLA runs on a GPU; it needs
-no GPU), then to ``sm_90a`` SASS with ``ptxas``, and counts the SASS instructions of one thread:
-all of them, and those on the path a tile without subnormal values takes (the folded kernel's
-``lax.cond`` branches: the fall-through block of each if/else is the condition's first branch,
-which ``coat_adam._branch`` makes the fast one; the other block is left out). Divided by the
+Triton kernel to PTX with the Triton compiler in JAX's CUDA plugin (it needs no GPU), then to
+``sm_90a`` SASS with ``ptxas``, and counts the SASS instructions of one thread: all of them, and
+those on the path a tile without subnormal values takes (the folded kernel's ``lax.cond``
+branches: the fall-through block of each if/else is the condition's first branch, which
+``coat_adam._branch`` makes the flush-to-zero one; the other block, which must hold the exact
+forms' subnormal fix-ups, is left out). Divided by the
 elements one thread updates (``block_rows * 128 / (32 * num_warps)``), that is the issue-slot
 cost per parameter: an H200 SM issues four warp instructions per clock, so at 132 SMs and
 1.98 GHz a kernel that needs N instructions per parameter cannot update more than
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -127,6 +129,8 @@ def kernel_ptx(config: ca.KernelConfig) -> str:
     finally:
         triton.compile, registration.mlir.custom_call = compile_, custom_call
         ca.require_gpu = require_gpu
+    if len(modules) > 1:
+        raise RuntimeError(f"expected one Triton kernel, captured {len(modules)}")
     if modules:
         (module,) = modules
         ptx.append(
@@ -185,9 +189,10 @@ def sass(ptx: str, ptxas: str, cuobjdump: str) -> tuple[list[tuple[int, str]], s
             for line in built.stderr.splitlines()
             if "registers" in line
         )
-        listing = subprocess.run(
-            [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
-        ).stdout
+        dumped = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True)
+        if dumped.returncode:
+            raise SystemExit(f"cuobjdump failed:\n{dumped.stderr[-2000:]}")
+        listing = dumped.stdout
     lines = [(int(m[1], 16), m[2]) for m in map(SASS_LINE.match, listing.splitlines()) if m]
     return lines, usage.strip()
 
@@ -197,26 +202,51 @@ def opcode(instruction: str) -> str:
     return words[1] if words[0].startswith("@") else words[0]
 
 
-def fast_path(lines: list[tuple[int, str]]) -> list[int]:
-    """Indices of the instructions a tile without subnormal values runs.
+# The exact forms' subnormal fix-ups: a compare with 2**-126 (lg2) or with -126 (ex2).
+EXACT_FORM = re.compile(r"FSETP\.GEU\.AND .*(1\.17549435|-126)")
+
+
+def fast_path(lines: list[tuple[int, str]]) -> tuple[list[int], int]:
+    """Indices of the instructions a tile without subnormal values runs, and how many branches
+    were left out.
 
     Each ``lax.cond`` compiles to ``@!P BRA else; <first branch>; BRA join; else: <second
-    branch>; join:``; the second branch's instructions are left out.
+    branch>; join:``; the second branch's instructions are left out. ``coat_adam._branch``
+    makes the first branch the flush-to-zero one; a left-out block without the exact forms'
+    fix-up compare (or a flush-to-zero block with one) raises, since then that layout did not
+    hold.
     """
     index = {address: i for i, (address, _) in enumerate(lines)}
-    skipped = set()
-    for _, ins in lines:
+    skipped, branches = set(), 0
+    for i, (_, ins) in enumerate(lines):
         words = ins.split()
-        if len(words) == 3 and words[0].startswith("@!P") and words[1] == "BRA":
-            other = index.get(int(words[2], 16))
-            if other is None:
-                continue
-            before = lines[other - 1][1].split()
-            if before[0] == "BRA" and len(before) == 2:
-                join = index.get(int(before[1], 16))
-                if join is not None and join > other:
-                    skipped.update(range(other, join))
-    return [i for i in range(len(lines)) if i not in skipped]
+        if not (len(words) == 3 and words[0].startswith("@!P") and words[1] == "BRA"):
+            continue
+        other = index.get(int(words[2], 16))
+        if other is None:
+            continue
+        before = lines[other - 1][1].split()
+        if not (before[0] == "BRA" and len(before) == 2):
+            continue  # a branch without an else block: both sides run
+        join = index.get(int(before[1], 16))
+        if join is None or join <= other:
+            continue
+        first = [text for _, text in lines[i + 1 : other]]
+        second = [text for _, text in lines[other:join]]
+        if any(map(EXACT_FORM.search, first)) or not any(map(EXACT_FORM.search, second)):
+            raise RuntimeError(
+                f"the if/else at {lines[i][0]:#x} is not a flush-to-zero/exact pair: the fast "
+                "path cannot be read off this listing"
+            )
+        skipped.update(range(other, join))
+        branches += 1
+    return [i for i in range(len(lines)) if i not in skipped], branches
+
+
+def floor(x: float, digits: int) -> str:
+    """``x`` truncated (never rounded up) to ``digits`` decimals."""
+    scale = 10**digits
+    return f"{math.floor(x * scale + 1e-9) / scale:.{digits}f}"
 
 
 def count(setting: str, ptxas: str, cuobjdump: str, keep: str | None) -> dict:
@@ -225,8 +255,8 @@ def count(setting: str, ptxas: str, cuobjdump: str, keep: str | None) -> dict:
     if keep:
         with open(f"{keep}.{setting.replace('/', '_')}.sass", "w") as f:
             f.write("\n".join(f"{a:05x} {ins}" for a, ins in lines) + "\n")
-    taken = fast_path(lines)
-    per_thread = config.block_rows * 128 // (32 * config.num_warps)
+    taken, branches = fast_path(lines)
+    per_thread = config.block_rows * 128 / (32 * config.num_warps)
     ops = collections.Counter(opcode(lines[i][1]) for i in taken)
     return {
         "setting": setting,
@@ -235,6 +265,7 @@ def count(setting: str, ptxas: str, cuobjdump: str, keep: str | None) -> dict:
         "elements_per_thread": per_thread,
         "sass_total": len(lines),
         "sass_fast_path": len(taken),
+        "branches_left_out": branches,
         "per_element_fast_path": len(taken) / per_thread,
         "mufu_fast_path": sum(v for k, v in ops.items() if k.startswith("MUFU")),
         "resources": usage,
@@ -255,27 +286,32 @@ def main(argv=None):
     ptxas_version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
     env["ptxas_version"] = ptxas_version.strip().splitlines()[-1]
     keep = args.out if args.keep_sass and args.out else None
+    settings = [x for x in args.settings.split(",") if x]
+    if not settings:
+        raise SystemExit("--settings names no launch setting")
     records = []
-    for setting in filter(None, args.settings.split(",")):
+    for setting in settings:
         r = count(setting, ptxas, cuobjdump, keep)
         records.append({**env, "command": C.command_line(), **r})
         print(
             f"{setting}: {r['sass_total']} SASS instructions, {r['sass_fast_path']} on the fast "
-            f"path, {r['per_element_fast_path']:.2f} per element ({r['resources']})",
+            f"path ({r['branches_left_out']} branches left out), "
+            f"{floor(r['per_element_fast_path'], 2)} per "
+            f"element ({r['resources']})",
             flush=True,
         )
     base = records[0]["per_element_fast_path"]
     table = [
-        "| setting | SASS (all) | fast path | per element | MUFU per element | per element vs "
-        f"{records[0]['setting']} | ptxas |",
-        "|---|---|---|---|---|---|---|",
+        "| setting | SASS (all) | fast path | branches left out | per element | MUFU per element "
+        f"| per element vs {records[0]['setting']} | ptxas |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         table.append(
             f"| {r['setting']} | {r['sass_total']} | {r['sass_fast_path']} | "
-            f"{r['per_element_fast_path']:.2f} | "
-            f"{r['mufu_fast_path'] / r['elements_per_thread']:.2f} | "
-            f"{r['per_element_fast_path'] / base:.3f}x | {r['resources']} |"
+            f"{r['branches_left_out']} | {floor(r['per_element_fast_path'], 2)} | "
+            f"{floor(r['mufu_fast_path'] / r['elements_per_thread'], 2)} | "
+            f"{floor(r['per_element_fast_path'] / base, 3)}x | {r['resources']} |"
         )
     print("\n".join(table))
     head = records[0]

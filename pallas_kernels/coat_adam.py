@@ -393,16 +393,21 @@ class KernelConfig:
       tiles: tiles of ``block_rows`` groups each program handles, one after another in a loop
         (with ``num_stages > 1`` Triton may prefetch the next tile's loads under the current
         tile's arithmetic). ``1``: one tile per program, no loop.
-      folded: with ``fast_math``, fold each group's constants into the powers' exponents, so
-        that an element costs one multiply-add between ``lg2`` and ``ex2`` instead of the
-        divisions and products around them. Quantizing ``x`` stores
-        ``fp8(fmax * ex2(k * (lg2|x| - lg2(mx))))``, which is ``y / s`` of the reference since
-        ``s = (mx / c)**k / fmax``; dequantizing ``q`` gives ``ex2(lg2|q| / k + D)`` with the
-        group's ``D = lg2(s) / k + lg2(c)``; the second moment, never negative, skips the sign;
-        the bias corrections and the gradient's clip factor fold into scalars
-        (``m * sqrt(1 - b2**t) / (1 - b1**t) / (sqrt(v) + eps * sqrt(1 - b2**t))``). The same
-        values up to float32 rounding; the statistics are computed as without it. No effect
-        without ``fast_math``.
+      folded: with ``fast_math``, a form of the arithmetic with fewer instructions per element
+        (docs/notes_optimizer_kernel.md, "v4"). Quantizing stores
+        ``fp8(fmax * ex2(k * lg2|x / c| + B))`` with the group's ``B = lg2(fmax) - k *
+        lg2(mx / c)`` (the reference's ``y / s``, since ``s = (mx / c)**k / fmax``);
+        dequantizing computes ``ex2(lg2|q| / k + lg2(s) / k) * c``; multiply-adds are fused
+        (inline PTX ``fma.rn.f32``); the second moment, never negative, skips the sign; the
+        gradient's clip factor and the bias corrections fold into scalars
+        (``m * sqrt(1 - b2**t) / (1 - b1**t) / (sqrt(v) + eps * sqrt(1 - b2**t))``); the
+        non-zero minimum is an unsigned minimum of ``bits - 1`` (the reference's for finite
+        values). Each tile takes the flush-to-zero forms of ``lg2``/``ex2`` unless one of its
+        groups could meet a subnormal value there (then the exact forms; a ``lax.cond`` per
+        tile), and the root in the update flushes only where ``eps * sqrt(1 - b2**t)`` is at
+        least 2**-39. The same values up to float32 rounding of logs kept centred on ``c`` (codes
+        equal but at rounding ties); the statistics are the reference's. With expansion off
+        only the update's arithmetic changes. No effect without ``fast_math``.
     """
 
     # Best of the settings timed on an H200 (docs/benchmarks.md, docs/notes_optimizer_kernel.md:
@@ -589,7 +594,7 @@ class _Math:
 
     def adam_direction(self, m_hat, v_hat, eps, *, ftz_sqrt=False):
         """``m_hat / (sqrt(v_hat) + eps)``; ``ftz_sqrt`` where a subnormal ``v_hat`` may read
-        as 0 (its root, below 1.1e-19, vanishes next to any float32 ``eps`` above 1e-12)."""
+        as 0 (its root, below 1.1e-19, vanishes next to an ``eps`` of at least 2**-39)."""
         if not self.native:
             # (No flush here: it could move the quotient by rounding only.)
             return m_hat / (jnp.sqrt(v_hat) + eps)
@@ -598,9 +603,11 @@ class _Math:
         return m_hat * self._asm("rcp.approx.ftz.f32", self._asm(sqrt, v_hat) + eps)
 
 
-# Bits of float32's smallest normal, 2**-126: below it the GPU's flush-to-zero forms of
-# lg2/ex2 lose values, and the exact forms cost a compare, a select and a multiply more.
-_MIN_NORMAL_BITS = 0x00800000
+# Below float32's smallest normal, 2**-126, the GPU's flush-to-zero forms of lg2/ex2 lose
+# values; the exact forms cost a compare, a select and a multiply more per element.
+# The root of a subnormal second moment is below 2**-63; next to an epsilon of at least
+# 2**-63 * 2**24 (1.8e-12) it cannot move the float32 sum, so the root may flush to zero.
+_FLUSHABLE_ROOT_EPS = 2.0**-39
 
 
 def _branch(exact, fast_fn, exact_fn):
@@ -610,16 +617,18 @@ def _branch(exact, fast_fn, exact_fn):
     return lax.cond(exact, exact_fn, fast_fn)
 
 
-def _has_subnormal(least_minus_one):
-    """Whether a tile holds a subnormal non-zero value, from each group's smallest non-zero
-    ``|x|`` as its unsigned bits minus 1 (an all-zero group: the largest unsigned value)."""
-    return jnp.min(least_minus_one) < jnp.uint32(_MIN_NORMAL_BITS - 1)
+def _ratios_below_normal(least_bits, log_least_ratio):
+    """Whether a tile's ``|x| / c`` may be subnormal (then its lg2 needs the exact form), from
+    each group's smallest non-zero ``|x|`` (its bits, 0 for an all-zero group, which has none)
+    and ``lg2(least / c)``: a log, so that no subnormal float enters the test itself; a margin
+    of 1 covers the approximate logs."""
+    logs = jnp.where(least_bits != 0, log_least_ratio, jnp.inf)
+    return jnp.min(logs) < -125.0
 
 
 def _dequantizes_below_normal(inv_expand, offset, code_dtype):
-    """Whether a tile's dequantized values may be subnormal: the smallest non-zero value a group
-    holds is its smallest code's, ``ex2(lg2(smallest) / k + offset)``; a margin of 1 in the
-    exponent covers the approximate logs."""
+    """Whether a tile's powers ``ex2(lg2|q| / k + offset)`` may be subnormal: a group's smallest
+    is its smallest non-zero code's; a margin of 1 in the exponent covers the approximate logs."""
     smallest = math.log2(float(jnp.finfo(code_dtype).smallest_subnormal))
     return jnp.min(inv_expand * smallest + offset) < -125.0
 
@@ -666,7 +675,9 @@ def _dequantize(
     q = codes.astype(jnp.float32)
     if expand is not None and folded:
         inv_expand = math_.reciprocal(_flat(expand, flat))
-        offset = inv_expand * math_.log2(_flat(scale, flat)) + math_.log2(_flat(center, flat))
+        # ex2(lg2|q * s| / k) = |x / c|, whose log stays small where k is large (a narrow
+        # group): the centre multiplies after the power, not inside its exponent.
+        offset = inv_expand * math_.log2(_flat(scale, flat))
         # |q| >= the smallest code, 2**-16: never subnormal, so lg2 may flush.
         exponent = math_.fma(
             _column(inv_expand, flat),
@@ -674,12 +685,12 @@ def _dequantize(
             _column(offset, flat),
         )
         exact = _dequantizes_below_normal(inv_expand, offset, codes.dtype)
-
         power = _branch(
             exact,
             lambda: math_.exp2(exponent, ftz=True),
             lambda: math_.exp2(exponent, ftz=False),
         )
+        power = power * center
         return _copysign(power, q) if signed else power
     y = q * scale
     if expand is None:
@@ -730,10 +741,9 @@ def _quantize(
         # order as their bits, and ``bits - 1`` wraps 0 to the largest unsigned value. An
         # all-zero group gives 0, as the reference's fallback does (finite groups: the same).
         bits = lax.bitcast_convert_type(a, jnp.uint32) - jnp.uint32(1)
-        least = jnp.min(bits, axis=1, keepdims=True)
-        subnormal = _has_subnormal(least)
-        least = lax.bitcast_convert_type(least + jnp.uint32(1), jnp.float32)
-        mn = _flat(least, flat) + quant.DRE_TINY
+        least_bits = _flat(jnp.min(bits, axis=1, keepdims=True) + jnp.uint32(1), flat)
+        least = lax.bitcast_convert_type(least_bits, jnp.float32)
+        mn = least + quant.DRE_TINY
     else:
         nonzero_min = _flat(jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True), flat)
         mn = jnp.where(jnp.isfinite(nonzero_min), nonzero_min, 0.0) + quant.DRE_TINY
@@ -743,14 +753,21 @@ def _quantize(
     s = math_.divide(math_.power(math_.divide(mx, c), k), fmax)
     stats = (_column(s, flat), _column(k, flat), _column(c, flat))
     if folded:
-        # The difference of logs, not the log of |x| / mx: that ratio underflows in wide
-        # groups. |x| <= mx, so the power is at most fmax up to the approximation's rounding;
-        # the minimum keeps the cast in range. A flushed ex2 would round to code 0 anyway.
-        log_a = _branch(
-            subnormal, lambda: math_.log2(a, ftz=True), lambda: math_.log2(a, ftz=False)
+        # y / s = fmax * (|x / c| / (mx / c))**k = ex2(k * lg2|x / c| + B), with the group's
+        # B = lg2(fmax) - k * lg2(mx / c). Centred on c as the reference is, both terms are at
+        # most k * lg2(mx / mn) / 2 in size, which k's definition keeps near
+        # lg2(fmax**2 / 2) / 2 (more only in groups clipped to k = 1 / expand_min), so their
+        # float32 rounding stays far below a code's spacing even where k is large.
+        inv_center = math_.reciprocal(c)
+        ratio = a * _column(inv_center, flat)
+        offset = math.log2(fmax) - k * math_.log2(mx * inv_center)
+        exact = _ratios_below_normal(least_bits, math_.log2(least) - math_.log2(c))
+        log_ratio = _branch(
+            exact, lambda: math_.log2(ratio, ftz=True), lambda: math_.log2(ratio, ftz=False)
         )
-        log_ratio = log_a - _column(math_.log2(mx), flat)
-        power = math_.exp2(math_.fma(_column(k, flat), log_ratio, math.log2(fmax)), ftz=True)
+        # |x| <= mx, so the power is at most fmax up to the approximation's rounding; the
+        # minimum keeps the cast in range. A flushed ex2 would round to code 0 anyway.
+        power = math_.exp2(math_.fma(_column(k, flat), log_ratio, _column(offset, flat)), ftz=True)
         power = jnp.minimum(power, fmax)
         return (_copysign(power, x) if signed else power).astype(dtype), stats
     # An ex2 result below 2**-126 ends as code 0 after the division by s >= 1 / fmax, so the
@@ -866,12 +883,16 @@ def _kernel(
         v = moment_in(nu_in, False)
         if folded:
             # The clip factor and the bias corrections as scalars (KernelConfig.folded).
-            gs = h[_GRAD_SCALE]
-            m = math_.fma(h[_B1], m, (h[_C1] * gs) * g)
-            v = math_.fma(h[_B2], v, ((h[_C2] * gs) * gs * g) * g)
+            clip = h[_GRAD_SCALE]
+            m = math_.fma(h[_B1], m, (h[_C1] * clip) * g)
+            v = math_.fma(h[_B2], v, ((h[_C2] * clip) * clip * g) * g)
             root_bc2 = jnp.sqrt(h[_BC2])
-            update = math_.adam_direction(
-                m * (root_bc2 / h[_BC1]), v, h[_EPS] * root_bc2, ftz_sqrt=True
+            eps = h[_EPS] * root_bc2
+            m_scaled = m * (root_bc2 / h[_BC1])
+            update = _branch(
+                eps < _FLUSHABLE_ROOT_EPS,
+                lambda: math_.adam_direction(m_scaled, v, eps, ftz_sqrt=True),
+                lambda: math_.adam_direction(m_scaled, v, eps),
             )
         else:
             # The gradient times its clip factor (exactly 1 unless the caller clips), then

@@ -4,6 +4,8 @@ plugin and ptxas, which CI lacks): which instructions a tile on the fast path ru
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -32,7 +34,8 @@ def test_fast_path_leaves_out_each_conditions_second_branch():
         (int(m[1], 16), m[2]) for m in map(kernel_sass.SASS_LINE.match, LISTING.splitlines()) if m
     ]
     assert len(lines) == 14
-    fast = kernel_sass.fast_path(lines)
+    fast, branches = kernel_sass.fast_path(lines)
+    assert branches == 1
     # The if/else's second block (0x60-0x90) is left out; a plain forward branch with no
     # else (0xb0) keeps both sides.
     assert [lines[i][0] for i in fast] == [
@@ -48,3 +51,14 @@ def test_fast_path_leaves_out_each_conditions_second_branch():
         0xD0,
     ]
     assert [kernel_sass.opcode(lines[i][1]) for i in fast][-4:] == ["FFMA", "BRA", "FADD", "EXIT"]
+
+
+def test_fast_path_refuses_an_if_else_that_is_not_a_flush_to_zero_pair():
+    """A left-out block without the exact forms' fix-up compare means the listing's layout is
+    not the one the reader assumes: it raises rather than count the wrong path."""
+    swapped = LISTING.replace("1.1754943508222875e-38", "1.5")
+    lines = [
+        (int(m[1], 16), m[2]) for m in map(kernel_sass.SASS_LINE.match, swapped.splitlines()) if m
+    ]
+    with pytest.raises(RuntimeError, match="not a flush-to-zero/exact pair"):
+        kernel_sass.fast_path(lines)

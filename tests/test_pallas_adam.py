@@ -236,7 +236,7 @@ def test_flat_statistics_and_tile_loops_equal_the_default_launch(mode, config, s
 @pytest.mark.parametrize("folded", [True, False], ids=["folded", "unfolded"])
 @pytest.mark.parametrize("grad_scale", [None, 0.37], ids=["no_clip", "clip"])
 def test_folded_and_unfolded_powers_match_the_reference(mode, folded, grad_scale):
-    """``KernelConfig.folded`` (the default) and the operation-by-operation arithmetic both meet
+    """``KernelConfig.folded`` and the operation-by-operation arithmetic (the default) both meet
     the reference's bounds over several fused-apply steps, with and without a clip factor (which
     the folded form moves into scalars); the two forms really compute differently (interpret
     mode: some output differs in its low bits)."""
@@ -672,20 +672,74 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked):
     # The folded arithmetic reaches the kernel (its fused multiply-adds are inline PTX).
     folded = config is not None and config.folded
     assert ("fma.rn.f32" in module) == folded
-    assert ("lg2.approx.ftz.f32" in module) and ("ex2.approx.f32" in module)
+
+
+class _PoisonedMath(ca._Math):
+    """Interpret-mode arithmetic whose flush-to-zero form of one function returns NaN: a NaN in
+    the output shows that a tile took the kernel's fast branch."""
+
+    def __init__(self, poisoned: str):
+        super().__init__(True, False)
+        self.poisoned = poisoned
+
+    def log2(self, a, *, ftz=False):
+        out = super().log2(a, ftz=ftz)
+        return out * jnp.nan if ftz and self.poisoned == "log2" else out
+
+    def exp2(self, x, *, ftz=False):
+        out = super().exp2(x, ftz=ftz)
+        return out * jnp.nan if ftz and self.poisoned == "exp2" else out
+
+
+def _wide_group():
+    # Values from 1e-2 to 1e30 and one at 1e-30: k = 1/16, and the smallest code dequantizes
+    # below 2**-126 (before the centre multiplies it).
+    return np.concatenate([[1e-30], np.geomspace(1e-2, 1e30, 127)])
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "column"])
+def test_folded_tiles_take_the_exact_branch_only_where_values_are_subnormal(flat):
+    """The folded kernel's per-tile choice between the flush-to-zero and the exact powers. A CPU
+    cannot show what a flush loses (it flushes subnormal values in every computation), so the
+    flush-to-zero forms are poisoned here: a tile that takes the fast branch gives NaN."""
+    log2_range = jnp.log2(jnp.float32(448.0 * 448.0 / 2))
+    normal = np.random.RandomState(0).uniform(1e-3, 2e-3, (4, 128))
+    # |x| / c reaches 8e-39 (subnormal) with every value normal: 2e-38 beside 3e38.
+    tiny_ratio = normal.copy()
+    tiny_ratio[2, :2] = [2e-38, 3e38]
+    for values, want_fast in ((normal, True), (tiny_ratio, False)):
+        x = jnp.asarray(values, jnp.float32)
+        codes, _ = ca._quantize(
+            x, "e4m3", True, 16.0, log2_range, _PoisonedMath("log2"), flat, folded=True
+        )
+        fast = bool(jnp.any(jnp.isnan(codes.astype(jnp.float32))))
+        assert fast == want_fast, values[:, :2]
+
+    spec = ca.MomentSpec()
+    for rows, want_fast in (([normal[0]], True), ([normal[0], _wide_group()], False)):
+        moment = ca.quantize_moment(jnp.asarray(np.stack(rows), jnp.float32), "e4m3", spec, 16)
+        out = ca._dequantize(
+            moment.codes.astype(jnp.float32).astype(moment.codes.dtype),
+            moment.scale,
+            moment.expand,
+            moment.center,
+            _PoisonedMath("exp2"),
+            flat,
+            folded=True,
+        )
+        assert bool(jnp.any(jnp.isnan(out))) == want_fast, len(rows)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_tile_predicates_find_subnormal_values(fmt):
-    """The two tests that send a tile of the folded kernel down its exact (no flush-to-zero)
-    branch. A CPU cannot show what a flush loses (it flushes subnormal values in every
-    computation), so they are checked here against float64 arithmetic."""
+    """The two tests that send a tile of the folded kernel down its exact branch, against
+    float64 arithmetic."""
     tiny = float(np.finfo(np.float32).tiny)
-    # Each group's smallest non-zero |x| as its bits minus 1 (unsigned; 0 wraps to the max).
-    cases = {(0.0,): False, (tiny,): False, (tiny * 0.99,): True, (1e-45, 1.0): True}
-    for values, want in cases.items():
-        bits = np.asarray(values, np.float32).view(np.uint32) - np.uint32(1)
-        assert bool(ca._has_subnormal(jnp.asarray(bits))) == want, values
+    # Each group's smallest non-zero |x| (bits; 0: an all-zero group) and lg2(least / c).
+    cases = [((0,), (-200.0,), False), ((5,), (-124.0,), False), ((5, 7), (-3.0, -126.5), True)]
+    for bits, logs, want in cases:
+        got = ca._ratios_below_normal(jnp.asarray(bits, jnp.uint32), jnp.asarray(logs, jnp.float32))
+        assert bool(got) == want, (bits, logs)
 
     spec = ca.MomentSpec()
     dtype = quant.FORMATS[fmt]
@@ -693,20 +747,17 @@ def test_tile_predicates_find_subnormal_values(fmt):
     groups = [
         np.linspace(1e-3, 2e-3, 128),  # narrow: large k, values near the max
         np.geomspace(1e-20, 1e15, 128),  # wide: k = 1/16
-        np.concatenate([[1e-30], np.geomspace(1e-2, 1e16, 127)]),  # e4m3: below 2**-126
-        np.concatenate([[1e-30], np.geomspace(1e-2, 1e30, 127)]),  # both formats: below
+        np.concatenate([[1e-30], np.geomspace(1e-2, 1e16, 127)]),
+        _wide_group(),
     ]
     seen = set()
     for values in groups:
         moment = ca.quantize_moment(jnp.asarray(values[None], jnp.float32), fmt, spec, 16)
-        s, k, c = (
-            float(np.asarray(x).item()) for x in (moment.scale, moment.expand, moment.center)
-        )
+        s, k = (float(np.asarray(x).item()) for x in (moment.scale, moment.expand))
         inv = jnp.float32(1.0 / k)
-        offset = inv * jnp.log2(jnp.float32(s)) + jnp.log2(jnp.float32(c))
-        below = bool(ca._dequantizes_below_normal(inv, offset, dtype))
-        # The group's smallest non-zero value, in float64: (smallest code * s)**(1/k) * c.
-        least = (smallest * s) ** (1.0 / k) * c
+        below = bool(ca._dequantizes_below_normal(inv, inv * jnp.log2(jnp.float32(s)), dtype))
+        # The group's smallest non-zero power before the centre, in float64: (smallest * s)**(1/k).
+        least = (smallest * s) ** (1.0 / k)
         if least < tiny:
             assert below, (values[:2], least)
         if not below:
@@ -714,3 +765,23 @@ def test_tile_predicates_find_subnormal_values(fmt):
         seen.add(below)
     assert seen == {True, False}
     assert bool(ca._dequantizes_below_normal(jnp.float32(16.0), jnp.float32(0.0), dtype))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("low,high", [(1e-8, 1.02e-8), (1e-8, 1.003e-8), (1e30, 1.003e30)])
+def test_folded_powers_keep_narrow_groups_exact(fmt, low, high):
+    """Narrow groups of unequal values have a large k (hundreds to thousands), which multiplies
+    every rounding error in the power's exponent: the folded form keeps its logs centred, so its
+    codes match the reference's up to ties and its dequantized values to float32 rounding."""
+    rng = np.random.RandomState(3)
+    x = jnp.asarray(rng.uniform(low, high, (64, 128)) * rng.choice([-1, 1], (64, 128)), jnp.float32)
+    spec = ca.MomentSpec()
+    want = ca.quantize_moment(x, fmt, spec, 16)
+    assert float(jnp.min(want.expand)) > 100
+    math_ = ca._Math(True, False)
+    log2_range = jnp.log2(jnp.float32(quant.FP8_MAX[fmt] ** 2 / 2))
+    for flat in (True, False):
+        codes, stats = ca._quantize(x, fmt, True, 16.0, log2_range, math_, flat, folded=True)
+        _assert_codes_match(codes, want.codes, f"{fmt} [{low}, {high}]")
+        values = ca._dequantize(want.codes, *stats, math_, flat, folded=True)
+        np.testing.assert_allclose(values, want.dequantize(), rtol=2e-6, atol=0)
