@@ -256,6 +256,10 @@ def count(setting: str, ptxas: str, cuobjdump: str, keep: str | None) -> dict:
         with open(f"{keep}.{setting.replace('/', '_')}.sass", "w") as f:
             f.write("\n".join(f"{a:05x} {ins}" for a, ins in lines) + "\n")
     taken, branches = fast_path(lines)
+    # The folded kernel's branches: both powers of both moments and the update's root.
+    expected = 5 if config.folded and config.fast_math else 0
+    if branches != expected:
+        raise RuntimeError(f"{setting}: {branches} flush-to-zero/exact branches, not {expected}")
     per_thread = config.block_rows * 128 / (32 * config.num_warps)
     ops = collections.Counter(opcode(lines[i][1]) for i in taken)
     return {

@@ -395,7 +395,7 @@ class KernelConfig:
         tile's arithmetic). ``1``: one tile per program, no loop.
       folded: with ``fast_math``, a form of the arithmetic with fewer instructions per element
         (docs/notes_optimizer_kernel.md, "v4"). Quantizing stores
-        ``fp8(fmax * ex2(k * lg2|x / c| + B))`` with the group's ``B = lg2(fmax) - k *
+        ``fp8(ex2(k * lg2|x / c| + B))`` with the group's ``B = lg2(fmax) - k *
         lg2(mx / c)`` (the reference's ``y / s``, since ``s = (mx / c)**k / fmax``);
         dequantizing computes ``ex2(lg2|q| / k + lg2(s) / k) * c``; multiply-adds are fused
         (inline PTX ``fma.rn.f32``); the second moment, never negative, skips the sign; the
@@ -668,9 +668,9 @@ def _dequantize(
 ):
     """Float32 moment of one tile, as :meth:`QuantizedTensor.dequantize` computes it.
 
-    ``folded`` (``KernelConfig.folded``, fast math only): ``ex2(lg2|q| / k + D)`` per element,
-    with the group's ``D = lg2(s) / k + lg2(c)``; ``signed=False`` for a moment whose codes are
-    never negative (the sign is then not copied).
+    ``folded`` (``KernelConfig.folded``, fast math only): ``ex2(lg2|q| / k + lg2(s) / k) * c``
+    per element; ``signed=False`` for a moment whose codes are never negative (the sign is then
+    not copied).
     """
     q = codes.astype(jnp.float32)
     if expand is not None and folded:
@@ -718,7 +718,7 @@ def _quantize(
     continuous in their inputs, and the per-element work follow ``math_``. With ``flat`` the
     per-group arithmetic runs on ``[groups]`` vectors (``KernelConfig.flat_stats``): the same
     operations on the same values. ``folded`` and ``signed``: as in :func:`_dequantize`, the codes
-    as ``fmax * ex2(k * (lg2|x| - lg2(mx)))`` (``y / s`` of the reference).
+    as ``ex2(k * lg2|x / c| + lg2(fmax) - k * lg2(mx / c))`` (``y / s`` of the reference).
     """
     fmax = quant.FP8_MAX[fmt]
     dtype = quant.FORMATS[fmt]

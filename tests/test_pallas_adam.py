@@ -672,6 +672,7 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked):
     # The folded arithmetic reaches the kernel (its fused multiply-adds are inline PTX).
     folded = config is not None and config.folded
     assert ("fma.rn.f32" in module) == folded
+    assert ("lg2.approx.ftz.f32" in module) and ("ex2.approx.f32" in module)
 
 
 class _PoisonedMath(ca._Math):
@@ -689,6 +690,27 @@ class _PoisonedMath(ca._Math):
     def exp2(self, x, *, ftz=False):
         out = super().exp2(x, ftz=ftz)
         return out * jnp.nan if ftz and self.poisoned == "exp2" else out
+
+    def adam_direction(self, m_hat, v_hat, eps, *, ftz_sqrt=False):
+        out = super().adam_direction(m_hat, v_hat, eps, ftz_sqrt=ftz_sqrt)
+        return out * jnp.nan if ftz_sqrt and self.poisoned == "sqrt" else out
+
+
+@pytest.mark.parametrize("eps,want_fast", [(1e-8, True), (1e-15, False), (0.0, False)])
+def test_folded_root_flushes_only_next_to_a_large_epsilon(monkeypatch, eps, want_fast):
+    """The folded kernel's root in the update flushes a subnormal second moment only where
+    ``eps * sqrt(1 - b2**t)`` is at least 2**-39 (then the flush cannot move the sum); the
+    flush-to-zero root is poisoned here, so its branch shows as NaN."""
+    monkeypatch.setattr(ca, "_Math", lambda fast, native: _PoisonedMath("sqrt"))
+    spec = ca.MomentSpec()
+    shape = (2, 128)
+    g = jnp.asarray(np.random.RandomState(1).uniform(0.5, 1.0, shape), jnp.float32)
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e4m3", spec)
+    kw = {**HYPER, "eps": eps}
+    u, _, _ = ca.coat_adam_step_pallas(
+        g, mu, nu, count=1, spec=spec, interpret=True, config=FORMS[1].values[0], **kw
+    )
+    assert bool(jnp.any(jnp.isnan(u))) == want_fast
 
 
 def _wide_group():
