@@ -231,9 +231,14 @@ def gib(n: float | None) -> str:
     return "n/a" if n is None else f"{math.floor(n / GIB * 100) / 100:.2f}"
 
 
+def truncated(x: float, places: int = 3) -> str:
+    """``x`` to ``places`` decimals, truncated: a published figure is never rounded up."""
+    return f"{math.floor(x * 10**places) / 10**places:.{places}f}"
+
+
 def times(x: float, places: int = 3) -> str:
     """A ratio to ``places`` decimals, truncated: a published ratio is never rounded up."""
-    return f"{math.floor(x * 10**places) / 10**places:.{places}f}x"
+    return truncated(x, places) + "x"
 
 
 def ratio(a: float | None, b: float | None) -> str:

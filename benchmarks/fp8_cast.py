@@ -14,7 +14,6 @@ Compiled as the trainer compiles COAT on a GPU (``fp8_compiler_options``, no exc
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -108,10 +107,10 @@ def main(argv=None):
     ]
     for r in rows:
         if "ms" in r:
-            tr = lambda v: f"{math.floor(v * 1000) / 1000:.3f}"  # noqa: E731
+            tr = C.truncated
             lines.append(
                 f"| {r['case']} | {tr(r['ms'])} [{tr(r['min_ms'])}, {tr(r['max_ms'])}] | "
-                f"{math.floor(r['tb_per_s'] * 100) / 100:.2f} |"
+                f"{tr(r['tb_per_s'], 2)} |"
             )
     text = "\n".join(lines)
     print(text)

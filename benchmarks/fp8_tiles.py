@@ -19,7 +19,6 @@ version, date and command. Compiled as the trainer compiles COAT on a GPU (``fp8
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -228,7 +227,6 @@ def _times(t, nbytes):
 
 
 def report(rows, args, env) -> str:
-    tr = lambda v, d=3: f"{math.floor(v * 10**d) / 10**d:.{d}f}"  # noqa: E731
     lines = [
         f"{env['device']}, JAX {env['jax']}, {env['date']}; `{C.command_line()}`",
         "",
@@ -245,13 +243,13 @@ def report(rows, args, env) -> str:
         if "error" in r:
             lines.append(f"| {r['op']} | {r['setting']} | failed: {r['error'][:80]} | | | |")
             continue
-        rel = tr(r["ms"] / default[r["op"]]) if r["op"] in default else ""
+        rel = C.truncated(r["ms"] / default[r["op"]]) if r["op"] in default else ""
         eq = {True: "yes", False: f"no, {r.get('max_abs_diff', 0):.1e}"}.get(
             r.get("equal_to_default"), ""
         )
         lines.append(
-            f"| {r['op']} | {r['setting']} | {tr(r['ms'])} [{tr(r['min_ms'])}, "
-            f"{tr(r['max_ms'])}] | {tr(r['tb_per_s'], 2)} | {rel} | {eq} |"
+            f"| {r['op']} | {r['setting']} | {C.truncated(r['ms'])} [{C.truncated(r['min_ms'])}, "
+            f"{C.truncated(r['max_ms'])}] | {C.truncated(r['tb_per_s'], 2)} | {rel} | {eq} |"
         )
     return "\n".join(lines)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import math
 import os
 import re
 import shutil
@@ -243,12 +242,6 @@ def fast_path(lines: list[tuple[int, str]]) -> tuple[list[int], int]:
     return [i for i in range(len(lines)) if i not in skipped], branches
 
 
-def floor(x: float, digits: int) -> str:
-    """``x`` truncated (never rounded up) to ``digits`` decimals."""
-    scale = 10**digits
-    return f"{math.floor(x * scale + 1e-9) / scale:.{digits}f}"
-
-
 def count(setting: str, ptxas: str, cuobjdump: str, keep: str | None) -> dict:
     config = parse_setting(setting)
     lines, usage = sass(kernel_ptx(config), ptxas, cuobjdump)
@@ -300,7 +293,7 @@ def main(argv=None):
         print(
             f"{setting}: {r['sass_total']} SASS instructions, {r['sass_fast_path']} on the fast "
             f"path ({r['branches_left_out']} branches left out), "
-            f"{floor(r['per_element_fast_path'], 2)} per "
+            f"{C.truncated(r['per_element_fast_path'], 2)} per "
             f"element ({r['resources']})",
             flush=True,
         )
@@ -313,9 +306,9 @@ def main(argv=None):
     for r in records:
         table.append(
             f"| {r['setting']} | {r['sass_total']} | {r['sass_fast_path']} | "
-            f"{r['branches_left_out']} | {floor(r['per_element_fast_path'], 2)} | "
-            f"{floor(r['mufu_fast_path'] / r['elements_per_thread'], 2)} | "
-            f"{floor(r['per_element_fast_path'] / base, 3)}x | {r['resources']} |"
+            f"{r['branches_left_out']} | {C.truncated(r['per_element_fast_path'], 2)} | "
+            f"{C.truncated(r['mufu_fast_path'] / r['elements_per_thread'], 2)} | "
+            f"{C.times(r['per_element_fast_path'] / base)} | {r['resources']} |"
         )
     print("\n".join(table))
     head = records[0]

@@ -531,13 +531,16 @@ class _Math:
         self.fast = fast
         self.native = fast and native
 
-    def _asm(self, instruction, x):
+    def _asm(self, instruction, *args):
+        """One float32 PTX ``instruction`` per element of ``args`` (broadcast to one shape)."""
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in args))
+        operands = ", ".join(f"${i}" for i in range(len(args) + 1))
         (out,) = pl_triton.elementwise_inline_asm(
-            f"{instruction} $0, $1;",
-            args=[x],
-            constraints="=f,f",
+            f"{instruction} {operands};",
+            args=[jnp.broadcast_to(x, shape) for x in args],
+            constraints=",".join(["=f"] + ["f"] * len(args)),
             pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+            result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
         )
         return out
 
@@ -563,15 +566,7 @@ class _Math:
         never contracted). The operands broadcast to one shape."""
         if not self.native:
             return a * b + c
-        shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
-        (out,) = pl_triton.elementwise_inline_asm(
-            "fma.rn.f32 $0, $1, $2, $3;",
-            args=[jnp.broadcast_to(x, shape) for x in (a, b, c)],
-            constraints="=f,f,f,f",
-            pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
-        )
-        return out
+        return self._asm("fma.rn.f32", a, b, c)
 
     def power(self, a, e, *, ftz_log=False, ftz_exp=False):
         """``a ** e`` for ``a >= 0`` and ``e > 0``; ``lg2(0) = -inf`` and ``ex2(-inf) = 0``."""
@@ -603,8 +598,6 @@ class _Math:
         return m_hat * self._asm("rcp.approx.ftz.f32", self._asm(sqrt, v_hat) + eps)
 
 
-# Below float32's smallest normal, 2**-126, the GPU's flush-to-zero forms of lg2/ex2 lose
-# values; the exact forms cost a compare, a select and a multiply more per element.
 # The root of a subnormal second moment is below 2**-63; next to an epsilon of at least
 # 2**-63 * 2**24 (1.8e-12) it cannot move the float32 sum, so the root may flush to zero.
 _FLUSHABLE_ROOT_EPS = 2.0**-39
@@ -613,7 +606,9 @@ _FLUSHABLE_ROOT_EPS = 2.0**-39
 def _branch(exact, fast_fn, exact_fn):
     """``exact_fn()`` where the scalar ``exact`` holds, else ``fast_fn()``: one branch per tile,
     so that tiles without subnormal values (all of them in practice) run the flush-to-zero
-    forms. Both compute the same values wherever no value is subnormal."""
+    forms. Below float32's smallest normal, 2**-126, those lose values; the exact forms cost a
+    compare, a select and a multiply more per element. Both compute the same values wherever
+    no value is subnormal."""
     return lax.cond(exact, exact_fn, fast_fn)
 
 

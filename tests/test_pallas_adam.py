@@ -94,6 +94,23 @@ def _step_fn(mode, spec, config=None):
     return jax.jit(step)
 
 
+def _apply_fn(mode, config, kw):
+    """The kernel's fused apply as one jitted function of traced (p, grad, mu, nu, count)."""
+    return jax.jit(
+        lambda p, g, mu, nu, count: ca.coat_adamw_apply(
+            p,
+            g,
+            mu,
+            nu,
+            count=count,
+            implementation="pallas",
+            interpret=mode == "interpret",
+            config=config,
+            **kw,
+        )
+    )
+
+
 _reference_step = jax.jit(
     lambda g, mu, nu, count, spec: ca.coat_adam_step_reference(
         g, mu, nu, count=count, spec=spec, **HYPER
@@ -208,23 +225,9 @@ def test_flat_statistics_and_tile_loops_equal_the_default_launch(mode, config, s
             _assert_stats_match(moment, ref, f"step {t} {name}")
     kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, **HYPER)
 
-    def apply(config):
-        return jax.jit(
-            lambda p, g, mu, nu: ca.coat_adamw_apply(
-                p,
-                g,
-                mu,
-                nu,
-                count=jnp.int32(4),
-                implementation="pallas",
-                interpret=mode == "interpret",
-                config=config,
-                **kw,
-            )
-        )
-
     p = jax.random.normal(jax.random.key(12), shape, jnp.float32)
-    got, want = apply(config)(p, grads[0], mu, nu), apply(None)(p, grads[0], mu, nu)
+    got = _apply_fn(mode, config, kw)(p, grads[0], mu, nu, jnp.int32(4))
+    want = _apply_fn(mode, None, kw)(p, grads[0], mu, nu, jnp.int32(4))
     p_ref = ca.coat_adamw_apply_reference(p, grads[0], mu, nu, count=jnp.int32(4), **kw)[0]
     np.testing.assert_allclose(got[0], p_ref, rtol=1e-6, atol=3e-3 * 1e-5)
     if mode == "interpret":
@@ -244,22 +247,8 @@ def test_folded_and_unfolded_powers_match_the_reference(mode, folded, grad_scale
     shape = (9, 384)
     kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
 
-    def apply(config):
-        return jax.jit(
-            lambda p, g, mu, nu, t: ca.coat_adamw_apply(
-                p,
-                g,
-                mu,
-                nu,
-                count=t,
-                implementation="pallas",
-                interpret=mode == "interpret",
-                config=config,
-                **kw,
-            )
-        )
-
-    step, other = apply(ca.KernelConfig(folded=folded)), apply(ca.KernelConfig(folded=not folded))
+    step = _apply_fn(mode, ca.KernelConfig(folded=folded), kw)
+    other = _apply_fn(mode, ca.KernelConfig(folded=not folded), kw)
     p = jax.random.normal(jax.random.key(21), shape, jnp.float32)
     mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
     differs = False
