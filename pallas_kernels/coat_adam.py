@@ -418,8 +418,8 @@ class KernelConfig:
     fast_math: bool = True
     flat_stats: bool = True
     tiles: int = 1
-    # Off until timed on an H200: built in a session without one (docs/notes_optimizer_kernel.md,
-    # "v4"), where its compiled instruction count was all that could be measured.
+    # Off: timed on an H200 (docs/notes_optimizer_kernel.md, "v4 on the H200"), as fast as the
+    # default on the stacked 7B tree and slower per layer; the kernel waits on memory.
     folded: bool = False
 
     def __post_init__(self):
@@ -514,6 +514,10 @@ def _flush(x):
     return jnp.where(jnp.abs(x) < jnp.finfo(jnp.float32).tiny, x * 0.0, x)
 
 
+# The power of two by which a centre's reciprocal is taken (``_Math.reciprocal``, ``ftz=False``).
+_CENTRE_SCALE = 2.0**-4
+
+
 class _Math:
     """Element-wise operations whose fast form differs between Triton and interpret mode.
 
@@ -574,18 +578,30 @@ class _Math:
             return jnp.power(a, e)
         return self.exp2(e * self.log2(a, ftz=ftz_log), ftz=ftz_exp)
 
-    def reciprocal(self, d):
-        """``1 / d`` of a normal, per-group or scalar ``d`` (flushing is moot).
+    def reciprocal(self, d, *, ftz=True):
+        """``1 / d`` of a normal, per-group or scalar ``d``.
 
-        Scalars take the exact division: it runs once per program, not per element.
+        ``ftz``: the reciprocal may flush to zero, right for a ``d`` below 2**126; a group
+        centre may be larger (its subnormal reciprocal, flushed, would turn the group's codes
+        into NaN), so it takes ``ftz=False``. Scalars take the exact division: it runs once
+        per program, not per element.
         """
         if self.native and jnp.ndim(d) > 0:
-            return self._asm("rcp.approx.ftz.f32", d)
+            if ftz:
+                return self._asm("rcp.approx.ftz.f32", d)
+            # Scaled by 2**-4 (exact) for d in [2**-122, 2**128), which holds every centre
+            # (at least quant.DRE_TINY): the scaled reciprocal stays normal, and the product, a
+            # plain multiply, keeps a subnormal result.
+            return self._asm("rcp.approx.ftz.f32", d * _CENTRE_SCALE) * _CENTRE_SCALE
         return 1.0 / d
 
-    def divide(self, x, d):
-        """``x / d`` for ``d`` constant along the group (a per-group or scalar divisor)."""
-        return x * self.reciprocal(d) if self.fast else x / d
+    def divide(self, x, d, *, ftz=True):
+        """``x / d`` for ``d`` constant along the group (a per-group or scalar divisor);
+        ``ftz`` as in :meth:`reciprocal`. Interpret mode divides where the reciprocal may not
+        flush: a CPU flushes every subnormal value, the GPU's ``rcp.approx.f32`` does not."""
+        if not self.fast or (not ftz and not self.native):
+            return x / d
+        return x * self.reciprocal(d, ftz=ftz)
 
     def adam_direction(self, m_hat, v_hat, eps, *, ftz_sqrt=False):
         """``m_hat / (sqrt(v_hat) + eps)``; ``ftz_sqrt`` where a subnormal ``v_hat`` may read
@@ -719,10 +735,10 @@ def _quantize(
     dtype = quant.FORMATS[fmt]
     a = jnp.abs(x)
 
-    def per_element_divide(v, d):
+    def per_element_divide(v, d, ftz=True):
         # ``v / d`` for a per-group ``d``: the reciprocal (fast math) taken per group.
-        if math_.fast:
-            return v * _column(math_.reciprocal(d), flat)
+        if math_.fast and (ftz or math_.native):
+            return v * _column(math_.reciprocal(d, ftz=ftz), flat)
         return v / _column(d, flat)
 
     if not expansion:
@@ -745,7 +761,8 @@ def _quantize(
     c = jnp.sqrt(mx) * jnp.sqrt(mn)
     k = jnp.floor(log2_range / _log2_ratio(mx, mn) * expand_min) / expand_min
     k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)
-    s = math_.divide(math_.power(math_.divide(mx, c), k), fmax)
+    # The centre reaches 2**126 in groups of huge values: its reciprocal must not flush.
+    s = math_.divide(math_.power(math_.divide(mx, c, ftz=False), k), fmax)
     stats = (_column(s, flat), _column(k, flat), _column(c, flat))
     if folded:
         # y / s = fmax * (|x / c| / (mx / c))**k = ex2(k * lg2|x / c| + B), with the group's
@@ -753,9 +770,8 @@ def _quantize(
         # most k * lg2(mx / mn) / 2 in size, which k's definition keeps near
         # lg2(fmax**2 / 2) / 2 (more only in groups clipped to k = 1 / expand_min), so their
         # float32 rounding stays far below a code's spacing even where k is large.
-        inv_center = math_.reciprocal(c)
-        ratio = a * _column(inv_center, flat)
-        offset = math.log2(fmax) - k * math_.log2(mx * inv_center)
+        ratio = per_element_divide(a, c, ftz=False)
+        offset = math.log2(fmax) - k * math_.log2(math_.divide(mx, c, ftz=False))
         exact = _ratios_below_normal(least_bits, math_.log2(least) - math_.log2(c))
         log_ratio = _branch(
             exact, lambda: math_.log2(ratio, ftz=True), lambda: math_.log2(ratio, ftz=False)
@@ -768,7 +784,8 @@ def _quantize(
     # An ex2 result below 2**-126 ends as code 0 after the division by s >= 1 / fmax, so the
     # exponential may flush; the log's argument |x / c| stays exact (extreme groups reach
     # subnormal ratios).
-    y = _copysign(math_.power(jnp.abs(per_element_divide(x, c)), _column(k, flat), ftz_exp=True), x)
+    ratio = per_element_divide(x, c, ftz=False)
+    y = _copysign(math_.power(jnp.abs(ratio), _column(k, flat), ftz_exp=True), x)
     codes = jnp.clip(per_element_divide(y, s), -fmax, fmax).astype(dtype)
     return codes, stats
 

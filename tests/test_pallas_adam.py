@@ -323,6 +323,66 @@ def test_edge_groups(mode, form):
         np.testing.assert_allclose(k_nu.expand, nu.expand, rtol=0)
 
 
+def test_centre_reciprocal_scale_covers_every_centre():
+    """The GPU takes a centre's reciprocal as ``rcp.ftz(c * scale) * scale``: right only where
+    ``c * scale`` and its reciprocal are normal float32 numbers, for every centre from
+    ``DRE_TINY`` (the smallest ``sqrt(mx) * sqrt(mn)``) to float32's largest."""
+    tiny = float(np.finfo(np.float32).tiny)
+    for c in (quant.DRE_TINY, 1.0, float(np.finfo(np.float32).max)):
+        scaled = c * ca._CENTRE_SCALE
+        assert scaled >= tiny and 1.0 / scaled >= tiny, c
+    # A power of two, so the scaling rounds nothing: in float32 arithmetic that keeps subnormal
+    # values (numpy's, as the GPU's plain multiply does) the scaled form is 1 / c exactly,
+    # subnormal reciprocals of centres from 2**126 included.
+    assert np.log2(ca._CENTRE_SCALE) == int(np.log2(ca._CENTRE_SCALE))
+    c = np.asarray([quant.DRE_TINY, 3e-20, 0.7, 2.0**126, 2.5e38, np.finfo(np.float32).max])
+    c = c.astype(np.float32)
+    s = np.float32(ca._CENTRE_SCALE)
+    got = (np.float32(1) / (c * s)) * s
+    np.testing.assert_array_equal(got, np.float32(1) / c)
+    assert got[-1] < tiny and got[-1] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="a CPU flushes subnormal values, the reference's too")
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_huge_moments_stay_finite(form, fmt):
+    """Moments whose group centre is at least 2**126 (values from 1e38): the centre's
+    reciprocal is subnormal there, and a flush-to-zero reciprocal turned the group's codes into
+    NaN. Next to them, ordinary groups in the same tile. GPU only: on a CPU, XLA computes the
+    reference's ``x / c`` as ``x * (1 / c)`` and the CPU flushes that reciprocal to 0, so the
+    reference itself loses these groups there."""
+    mode = "gpu"
+    spec = ca.MomentSpec(mu_format=fmt, nu_format=fmt)
+    rng = np.random.RandomState(5)
+    shape = (4, 256)
+    big = rng.uniform(1e38, 3e38, shape) * rng.choice([-1, 1], shape)
+    small = rng.uniform(0.01, 2.0, shape) * rng.choice([-1, 1], shape)
+    huge_rows = (np.arange(shape[0]) % 2 == 0)[:, None]
+    m0 = jnp.asarray(np.where(huge_rows, big, small), jnp.float32)
+    mu = ca.quantize_moment(m0, fmt, spec, HYPER["expand_min"])
+    nu = ca.quantize_moment(jnp.abs(m0), fmt, spec, HYPER["expand_min"])
+    assert float(jnp.max(mu.center)) >= 2.0**126 and float(jnp.max(nu.center)) >= 2.0**126
+    g = jnp.asarray(np.where(huge_rows, 1e18, 1.0) * rng.uniform(-1, 1, shape), jnp.float32)
+    # A late step: its bias corrections keep the reference's v_hat finite.
+    count = jnp.int32(10_000)
+    u, k_mu, k_nu = _step_fn(mode, spec, form)(g, mu, nu, count)
+    u_ref, mu_ref, nu_ref = _reference_step(g, mu, nu, count, spec)
+    for name, got, want in (("mu", k_mu, mu_ref), ("nu", k_nu, nu_ref)):
+        values = got.dequantize()
+        assert bool(jnp.all(jnp.isfinite(values))), f"{name}: non-finite values"
+        _assert_codes_match(got.codes, want.codes, name)
+        # The ordinary groups' centres move with the approximate dequantization (as in
+        # _assert_stats_match); the huge groups' are the reference's.
+        np.testing.assert_allclose(got.center, want.center, rtol=1e-5)
+        same = np.asarray(got.codes.astype(jnp.float32) == want.codes.astype(jnp.float32))
+        np.testing.assert_allclose(
+            np.asarray(values)[same], np.asarray(want.dequantize())[same], rtol=2e-5, atol=0
+        )
+    np.testing.assert_allclose(u, u_ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", BACKENDS)
 @pytest.mark.parametrize("shape,dtype", [((5, 300), jnp.bfloat16), ((4, 256), jnp.float32)])
 def test_fused_apply_matches_reference(mode, shape, dtype):
