@@ -598,7 +598,7 @@ class _Math:
     def divide(self, x, d, *, ftz=True):
         """``x / d`` for ``d`` constant along the group (a per-group or scalar divisor);
         ``ftz`` as in :meth:`reciprocal`. Interpret mode divides where the reciprocal may not
-        flush: a CPU flushes every subnormal value, the GPU's ``rcp.approx.f32`` does not."""
+        flush: a CPU flushes every subnormal value, the GPU's scaled form does not."""
         if not self.fast or (not ftz and not self.native):
             return x / d
         return x * self.reciprocal(d, ftz=ftz)
