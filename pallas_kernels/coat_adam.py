@@ -595,13 +595,18 @@ class _Math:
             return self._asm("rcp.approx.ftz.f32", d * _CENTRE_SCALE) * _CENTRE_SCALE
         return 1.0 / d
 
-    def divide(self, x, d, *, ftz=True):
+    def divide(self, x, d, *, ftz=True, spread=None):
         """``x / d`` for ``d`` constant along the group (a per-group or scalar divisor);
         ``ftz`` as in :meth:`reciprocal`. Interpret mode divides where the reciprocal may not
-        flush: a CPU flushes every subnormal value, the GPU's scaled form does not."""
+        flush: a CPU flushes every subnormal value, the GPU's scaled form does not.
+
+        ``spread``: maps a per-group value to ``x``'s shape (e.g. a ``[groups]`` vector to a
+        column), applied to the reciprocal, or to ``d`` where it divides: the reciprocal is
+        taken once per group either way."""
+        spread = spread or (lambda v: v)
         if not self.fast or (not ftz and not self.native):
-            return x / d
-        return x * self.reciprocal(d, ftz=ftz)
+            return x / spread(d)
+        return x * spread(self.reciprocal(d, ftz=ftz))
 
     def adam_direction(self, m_hat, v_hat, eps, *, ftz_sqrt=False):
         """``m_hat / (sqrt(v_hat) + eps)``; ``ftz_sqrt`` where a subnormal ``v_hat`` may read
@@ -736,10 +741,8 @@ def _quantize(
     a = jnp.abs(x)
 
     def per_element_divide(v, d, ftz=True):
-        # ``v / d`` for a per-group ``d``: the reciprocal (fast math) taken per group.
-        if math_.fast and (ftz or math_.native):
-            return v * _column(math_.reciprocal(d, ftz=ftz), flat)
-        return v / _column(d, flat)
+        # ``v / d`` for a per-group ``d``.
+        return math_.divide(v, d, ftz=ftz, spread=lambda g: _column(g, flat))
 
     if not expansion:
         scale = _flat(jnp.max(a, axis=1, keepdims=True), flat) + quant.ABSMAX_TINY
