@@ -75,12 +75,13 @@ def llama2_7b_shapes(
 
 
 def parse_setting(text: str) -> ca.KernelConfig:
-    """A kernel launch setting from ``rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded]``,
-    e.g. ``16/4/t4/s2`` (``folded``: ``KernelConfig.folded=True``).
+    """A kernel launch setting from
+    ``rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded][/prefetch]``, e.g. ``16/4/t4/s2``
+    (``folded``: ``KernelConfig.folded=True``; ``prefetch``: ``KernelConfig.prefetch=True``).
 
     Example:
       >>> parse_setting("32/8/t2/flat/folded")
-      KernelConfig(block_rows=32, num_warps=8, num_stages=1, fast_math=True, flat_stats=True, tiles=2, folded=True)
+      KernelConfig(block_rows=32, num_warps=8, num_stages=1, fast_math=True, flat_stats=True, tiles=2, folded=True, prefetch=False)
     """
     rows, warps, *rest = text.split("/")
     kw = dict(block_rows=int(rows), num_warps=int(warps))
@@ -91,6 +92,8 @@ def parse_setting(text: str) -> ca.KernelConfig:
             kw["fast_math"] = False
         elif part in ("folded", "unfolded"):
             kw["folded"] = part == "folded"
+        elif part == "prefetch":
+            kw["prefetch"] = True
         elif part[:1] in ("s", "t") and part[1:].isdigit():
             kw["num_stages" if part[0] == "s" else "tiles"] = int(part[1:])
         else:
@@ -362,7 +365,7 @@ def main(argv=None):
         "--sweep-settings",
         default="",
         help="comma-separated launch settings to sweep instead "
-        "(rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded])",
+        "(rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded][/prefetch])",
     )
     ap.add_argument(
         "--best-full", action="store_true", help="also run the whole tree with the sweep's best"

@@ -9,7 +9,8 @@ second launch::
         python benchmarks/ncu_optimizer.py folded 16/4
 
 Arguments: ``folded`` or ``unfolded`` (``KernelConfig.folded``), then optionally
-``rows/warps`` (default 16/4).
+``rows/warps`` (default 16/4); or one launch setting in ``bench_optimizer.parse_setting``'s
+syntax, e.g. ``16/4/t4/prefetch``.
 """
 
 import sys
@@ -19,15 +20,21 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_optimizer import parse_setting  # noqa: E402
 
 from pallas_kernels import coat_adam as ca  # noqa: E402
 
 
 def main(argv):
-    if not argv or argv[0] not in ("folded", "unfolded"):
-        raise SystemExit("usage: ncu_optimizer.py folded|unfolded [rows/warps]")
-    rows, warps = (int(v) for v in (argv[1] if len(argv) > 1 else "16/4").split("/"))
-    cfg = ca.KernelConfig(folded=argv[0] == "folded", block_rows=rows, num_warps=warps)
+    if not argv or len(argv) > 2:
+        raise SystemExit("usage: ncu_optimizer.py folded|unfolded [rows/warps] | SETTING")
+    if argv[0] in ("folded", "unfolded"):
+        setting = f"{argv[1] if len(argv) > 1 else '16/4'}/{argv[0]}"
+    else:
+        setting = argv[0]
+    cfg = parse_setting(setting)
     spec = ca.MomentSpec()
     k1, k2 = jax.random.split(jax.random.key(0))
     shape = (4096, 11008)

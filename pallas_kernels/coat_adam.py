@@ -408,6 +408,13 @@ class KernelConfig:
         least 2**-39. The same values up to float32 rounding of logs kept centred on ``c`` (codes
         equal but at rounding ties); the statistics are the reference's. With expansion off
         only the update's arithmetic changes. No effect without ``fast_math``.
+      prefetch: with ``tiles > 1``, software pipelining by hand: the loop issues the next
+        tile's loads (into registers) before the current tile's arithmetic, so that each
+        program keeps loads in flight while it computes (the last iteration's, past the
+        program's last tile, masked off). Same values; more registers per thread (a second
+        tile's inputs), and ptxas still places the loads where it likes
+        (``benchmarks/kernel_sass.py`` reports where). No effect with one tile. Not yet timed
+        on a GPU.
     """
 
     # Best of the settings timed on an H200 (docs/benchmarks.md, docs/notes_optimizer_kernel.md:
@@ -421,6 +428,7 @@ class KernelConfig:
     # Off: timed on an H200 (docs/notes_optimizer_kernel.md, "v4 on the H200"), as fast as the
     # default on the stacked 7B tree and slower per layer; the kernel waits on memory.
     folded: bool = False
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps", "tiles"):
@@ -431,7 +439,7 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.num_stages must be a positive int, got {self.num_stages!r}"
             )
-        for name in ("fast_math", "flat_stats", "folded"):
+        for name in ("fast_math", "flat_stats", "folded", "prefetch"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {value!r}")
@@ -808,6 +816,7 @@ def _kernel(
     native: bool,
     stacked: bool = False,
     folded: bool = False,
+    prefetch: bool = False,
 ):
     n_moment = 4 if spec.expansion else 2
     refs = list(refs)
@@ -837,10 +846,16 @@ def _kernel(
         cols = pl.program_id(1) * gs + lax.broadcasted_iota(jnp.int32, (1, gs), 1)
         col_mask = cols < n_cols
 
-    def tile(t):
-        # Tile t of this program's `tiles`: its rows of every block.
+    def tile_io(t, live=None):
+        # Tile t of this program's `tiles`: its masks, and loads and stores of its rows;
+        # `live`, a scalar: loads only where it holds (a prefetch past the last tile).
         first = t * block_rows
-        window = pl.ds(pl.multiple_of(first, block_rows), block_rows) if tiles > 1 else slice(None)
+        if tiles == 1:
+            window = slice(None)
+        else:
+            # (A Python int, tile 0 of a prefetching loop, needs no alignment hint.)
+            aligned = first if isinstance(first, int) else pl.multiple_of(first, block_rows)
+            window = pl.ds(aligned, block_rows)
         row_mask = None
         if ragged_rows:
             rows = (first_row + first) + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
@@ -857,6 +872,9 @@ def _kernel(
 
         def load(ref, mask, other):
             view = view_of(ref)
+            if live is not None:
+                alive = jnp.broadcast_to(live, view.shape)
+                mask = alive if mask is None else mask & alive
             if mask is None:
                 return view[...]
             return pl_triton.load(view, mask=mask, other=jnp.asarray(other, ref.dtype))
@@ -868,10 +886,32 @@ def _kernel(
             else:
                 pl_triton.store(view, value.astype(ref.dtype), mask=mask)
 
-        def moment_in(moment_refs, signed):
-            codes = load(moment_refs[0], tile_mask, 0)
-            # Statistics of padding rows read as 1 so those rows compute finite garbage.
-            stats = [load(r, row_mask, 1) for r in moment_refs[1:]]
+        return row_mask, tile_mask, load, store
+
+    def load_moment(moment_refs, row_mask, tile_mask, load):
+        # Codes, then statistics; statistics of padding rows read as 1 so those rows compute
+        # finite garbage.
+        return [load(moment_refs[0], tile_mask, 0)] + [
+            load(r, row_mask, 1) for r in moment_refs[1:]
+        ]
+
+    def load_tile(t, live=None):
+        # Every input of tile t, as loaded (KernelConfig.prefetch).
+        row_mask, tile_mask, load, _ = tile_io(t, live)
+        return (
+            load(grad_ref, tile_mask, 0),
+            load_moment(mu_in, row_mask, tile_mask, load),
+            load_moment(nu_in, row_mask, tile_mask, load),
+            load(param_ref, tile_mask, 0) if apply else None,
+        )
+
+    def tile(t, loaded=None):
+        # Tile t, from its inputs as `load_tile` gives them or (None) loaded here.
+        row_mask, tile_mask, load, store = tile_io(t)
+        g_raw, mu_raw, nu_raw, p_raw = (None,) * 4 if loaded is None else loaded
+
+        def moment_in(raw, signed):
+            codes, *stats = raw
             if not spec.expansion:
                 return _dequantize(codes, stats[0], None, None, math_, flat)
             return _dequantize(codes, *stats, math_, flat, folded=folded, signed=signed)
@@ -892,10 +932,14 @@ def _kernel(
             for r, value in zip(moment_refs[1:], stats, strict=True):
                 store(r, value, row_mask)
 
-        g = load(grad_ref, tile_mask, 0).astype(jnp.float32)
-        m = moment_in(mu_in, True)
+        def fetched(raw, moment_refs):
+            # A moment's loads: prefetched, or issued here (just before their use).
+            return load_moment(moment_refs, row_mask, tile_mask, load) if raw is None else raw
+
+        g = (load(grad_ref, tile_mask, 0) if g_raw is None else g_raw).astype(jnp.float32)
+        m = moment_in(fetched(mu_raw, mu_in), True)
         # The second moment is never negative (its codes neither).
-        v = moment_in(nu_in, False)
+        v = moment_in(fetched(nu_raw, nu_in), False)
         if folded:
             # The clip factor and the bias corrections as scalars (KernelConfig.folded).
             clip = h[_GRAD_SCALE]
@@ -920,7 +964,7 @@ def _kernel(
             )
         update = update.astype(grad_ref.dtype)
         if apply:
-            p = load(param_ref, tile_mask, 0).astype(jnp.float32)
+            p = (load(param_ref, tile_mask, 0) if p_raw is None else p_raw).astype(jnp.float32)
             if folded:
                 u = math_.fma(h[_WD], p, update.astype(jnp.float32))
                 store(out_ref, math_.fma(u, h[_NEG_LR], p), tile_mask)
@@ -936,14 +980,30 @@ def _kernel(
         tile(t)
         return carry
 
+    def run(count):
+        if not prefetch:
+            lax.fori_loop(0, count, body, 0)
+            return
+
+        # Tile t + 1's loads issue before tile t's arithmetic, so that they are in flight
+        # while it runs; the last iteration's prefetch is masked off (no memory traffic).
+        last = count - 1
+
+        def prefetched(t, current):
+            upcoming = load_tile(jnp.minimum(t + 1, last), live=t < last)
+            tile(t, current)
+            return upcoming
+
+        lax.fori_loop(0, count, prefetched, load_tile(0))
+
     if tiles == 1:
         tile(0)
     elif not ragged_rows:
-        lax.fori_loop(0, tiles, body, 0)
+        run(tiles)
     else:
         # Tiles wholly past the array's end (the last program's) would only mask everything.
         left = n_rows - first_row
-        lax.fori_loop(0, jnp.minimum(tiles, (left + block_rows - 1) // block_rows), body, 0)
+        run(jnp.minimum(tiles, (left + block_rows - 1) // block_rows))
 
 
 def _next_pow2(n: int) -> int:
@@ -1077,6 +1137,7 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret, stacked=
         native=not interpret,
         stacked=stacked,
         folded=config.folded,
+        prefetch=config.prefetch,
     )
     compiler_params = (
         None

@@ -62,3 +62,18 @@ def test_fast_path_refuses_an_if_else_that_is_not_a_flush_to_zero_pair():
     ]
     with pytest.raises(RuntimeError, match="not a flush-to-zero/exact pair"):
         kernel_sass.fast_path(lines)
+
+
+def test_load_schedule_places_each_global_load_in_the_fast_path():
+    lines = [
+        (int(m[1], 16), m[2]) for m in map(kernel_sass.SASS_LINE.match, LISTING.splitlines()) if m
+    ]
+    fast, _ = kernel_sass.fast_path(lines)
+    wide = lines[:4] + [(0x038, "LDG.E.128 R8, desc[UR4][R6.64]")] + lines[4:]
+    got = kernel_sass.load_schedule(lines, fast)
+    assert got == {"loads": 1, "last_load_at": 0.0, "wide_loads_at": []}
+    fast_wide, _ = kernel_sass.fast_path(wide)
+    got = kernel_sass.load_schedule(wide, fast_wide)
+    # 11 instructions on the fast path; the 128-bit load is the fifth.
+    assert len(fast_wide) == 11
+    assert got == {"loads": 2, "last_load_at": 4 / 11, "wide_loads_at": [4 / 11]}

@@ -192,6 +192,7 @@ LAUNCH_VARIANTS = [
     ca.KernelConfig(flat_stats=False),
     ca.KernelConfig(block_rows=4, tiles=4),
     ca.KernelConfig(block_rows=2, tiles=2, flat_stats=True, num_stages=2),
+    ca.KernelConfig(block_rows=4, tiles=4, prefetch=True),
 ]
 
 
@@ -233,6 +234,35 @@ def test_flat_statistics_and_tile_loops_equal_the_default_launch(mode, config, s
     if mode == "interpret":
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no_prefetch", "prefetch"])
+def test_prefetch_carries_the_next_tiles_inputs_through_the_loop(prefetch):
+    """``KernelConfig.prefetch`` changes the loop itself (the equality test above cannot see
+    whether it did): the tile loop carries the next tile's loaded inputs (gradient, both
+    moments' codes and statistics, parameter), and nothing without it."""
+    from tests import jaxprs
+
+    spec = ca.MomentSpec(nu_format="e5m2")
+    shape = (64, 256)  # 128 groups: 4 programs of 4 tiles of 8 groups
+    config = ca.KernelConfig(block_rows=8, tiles=4, prefetch=prefetch)
+    kw = dict(learning_rate=1e-3, weight_decay=0.1, spec=spec, **HYPER)
+    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
+    jaxpr = jax.make_jaxpr(_apply_fn("interpret", config, kw))(
+        jnp.zeros(shape), jnp.zeros(shape), mu, nu, jnp.int32(1)
+    )
+    loops = [e for e in jaxprs.equations(jaxpr.jaxpr) if e.primitive.name in ("scan", "while")]
+    assert len(loops) == 1
+    (loop,) = loops
+    n = loop.params["num_consts"]
+    carried = [v.aval for v in loop.invars[n : n + loop.params["num_carry"]]]
+    tiles = [(str(a.dtype), a.shape) for a in carried if a.ndim == 2]
+    tile, stat = (8, 128), (8, 1)
+    want = [("float32", tile)]
+    want += [("float8_e4m3fn", tile)] + [("float32", stat)] * 3
+    want += [("float8_e5m2", tile)] + [("float32", stat)] * 3
+    want += [("float32", tile)]
+    assert tiles == (want if prefetch else [])
 
 
 @pytest.mark.parametrize("mode", BACKENDS)
@@ -553,6 +583,7 @@ def _stacked_moment(key, shape, fmt, spec, *, positive):
         ((24, 256), True, None),  # 48 groups per element: 3 programs of 16
         ((256,), False, None),  # 2 groups per element: one program of 2
         ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=2)),  # 48 groups, tile loops
+        ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=4, prefetch=True)),
         ((24, 256), True, ca.KernelConfig(folded=True)),
     ],
 )
@@ -680,6 +711,8 @@ def test_stacked_apply_with_a_short_last_group_steps_the_slices(backend):
         (ca.KernelConfig(block_rows=8, tiles=2), True),
         (ca.KernelConfig(folded=True), False),
         (ca.KernelConfig(folded=True, block_rows=8, tiles=2), True),
+        (ca.KernelConfig(block_rows=8, tiles=4, prefetch=True), False),
+        (ca.KernelConfig(block_rows=8, tiles=2, prefetch=True), True),
     ],
     ids=str,
 )
