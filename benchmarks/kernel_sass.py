@@ -321,8 +321,9 @@ def main(argv=None):
             f"{r['branches_left_out']} | {C.truncated(r['per_element_fast_path'], 2)} | "
             f"{C.truncated(r['mufu_fast_path'] / r['elements_per_thread'], 2)} | "
             f"{C.times(r['per_element_fast_path'] / base)} | "
-            f"{r['loads']} ({100 * r['last_load_at']:.0f}%) | "
-            f"{', '.join(f'{100 * x:.0f}%' for x in r['wide_loads_at'])} | {r['resources']} |"
+            f"{r['loads']} ({C.truncated(100 * r['last_load_at'], 0)}%) | "
+            f"{', '.join(f'{C.truncated(100 * x, 0)}%' for x in r['wide_loads_at'])} | "
+            f"{r['resources']} |"
         )
     print("\n".join(table))
     head = records[0]
@@ -331,9 +332,9 @@ def main(argv=None):
         f"{head['ptxas_version']}, "
         f"{head['date']}. One thread's SASS (sm_90a) of the fused apply on a {SHAPE} "
         "float32 parameter, float32 gradients, E4M3 moments with expansion. Loads at: "
-        "positions in the fast path's instruction order (0% first, 100% last); with a tile "
-        "loop (`tN`) the listing holds the prologue and the loop body once, so per element "
-        "counts one tile's elements against both.\n\n" + "\n".join(table)
+        "positions in the fast path's instruction order (0% first, 100% last; truncated); "
+        "with a tile loop (`tN`) the listing holds the prologue and the loop body once, so per "
+        "element counts one tile's elements against both.\n\n" + "\n".join(table)
     )
     C.write_results(args.out, records, "Compiled instruction counts of the COAT AdamW kernel", text)
 
