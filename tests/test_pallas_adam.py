@@ -583,7 +583,8 @@ def _stacked_moment(key, shape, fmt, spec, *, positive):
         ((24, 256), True, None),  # 48 groups per element: 3 programs of 16
         ((256,), False, None),  # 2 groups per element: one program of 2
         ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=2)),  # 48 groups, tile loops
-        ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=4, prefetch=True)),
+        # 96 groups per element: 6 programs of 4 tiles of 4 (a prefetching loop)
+        ((2, 16, 384), True, ca.KernelConfig(block_rows=4, tiles=4, prefetch=True)),
         ((24, 256), True, ca.KernelConfig(folded=True)),
     ],
 )
@@ -703,20 +704,22 @@ def test_stacked_apply_with_a_short_last_group_steps_the_slices(backend):
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels themselves")
 @pytest.mark.parametrize(
-    "config,stacked",
+    "config,stacked,rows",
     [
-        (None, False),
-        (None, True),
-        (ca.KernelConfig(flat_stats=False, tiles=4, num_stages=2), False),
-        (ca.KernelConfig(block_rows=8, tiles=2), True),
-        (ca.KernelConfig(folded=True), False),
-        (ca.KernelConfig(folded=True, block_rows=8, tiles=2), True),
-        (ca.KernelConfig(block_rows=8, tiles=4, prefetch=True), False),
-        (ca.KernelConfig(block_rows=8, tiles=2, prefetch=True), True),
+        (None, False, 64),
+        (None, True, 64),
+        (ca.KernelConfig(flat_stats=False, tiles=4, num_stages=2), False, 64),
+        (ca.KernelConfig(block_rows=8, tiles=2), True, 64),
+        (ca.KernelConfig(folded=True), False, 64),
+        (ca.KernelConfig(folded=True, block_rows=8, tiles=2), True, 64),
+        (ca.KernelConfig(block_rows=8, tiles=4, prefetch=True), False, 64),
+        # 74 groups: the last program's loop runs a traced number of tiles (2 of 4).
+        (ca.KernelConfig(block_rows=8, tiles=4, prefetch=True), False, 37),
+        (ca.KernelConfig(block_rows=8, tiles=2, prefetch=True), True, 64),
     ],
     ids=str,
 )
-def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked):
+def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked, rows):
     """Without a GPU (CI): the real kernel's Pallas-to-Triton lowering for CUDA, through
     ``jax.export`` (no PTX is compiled: that needs the GPU's XLA). It catches what interpret mode
     cannot: a primitive, a shape or a block the Triton backend does not take."""
@@ -724,7 +727,7 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked):
 
     monkeypatch.setattr(ca, "require_gpu", lambda interpret: None)
     spec = ca.MomentSpec(nu_format="e5m2")
-    layers, shape = 3, (64, 256)
+    layers, shape = 3, (rows, 256)
     stack = (layers, *shape) if stacked else shape
     mu = _zero_moment(stack, "e4m3", spec)
     nu = _zero_moment(stack, "e5m2", spec)
