@@ -182,3 +182,27 @@ def test_trainer_key_takes_a_yaml_mapping(tmp_path):
         path.write_text("precision: coat\n" + body)
         with pytest.raises(ValueError, match=match):
             load_config(path)
+
+
+def test_one_ops_override_merges_into_the_text_form(tmp_path):
+    """``fp8_op_kernels.OP=IMPL`` on the command line over a file that sets the key as text
+    replaces or adds that op and keeps the file's others (as it does over a YAML mapping); so
+    does a file's mapping over its ``base:`` file's text."""
+    path = tmp_path / "run.yaml"
+    path.write_text("precision: coat\nfp8_op_kernels: swiglu=pallas;rmsnorm=xla\n")
+    cfg = load_config(path, ["fp8_op_kernels.swiglu=xla"])
+    assert cfg.fp8_op_kernels == "swiglu=xla;rmsnorm=xla"
+    cfg = load_config(path, ["fp8_op_kernels.quantize_per_tensor=pallas"])
+    assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla;quantize_per_tensor=pallas"
+    # Earlier overrides in text form merge the same way.
+    cfg = load_config(None, ["fp8_op_kernels=swiglu=pallas", "fp8_op_kernels.rmsnorm=xla"])
+    assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla"
+    with pytest.raises(ValueError, match="unknown implementation 'fast'"):
+        load_config(path, ["fp8_op_kernels.swiglu=fast"])
+    # A file's mapping over its base file's text form merges op by op too.
+    child = tmp_path / "child.yaml"
+    child.write_text("base: run.yaml\nfp8_op_kernels:\n  rmsnorm: pallas\n")
+    assert load_config(child).fp8_op_kernels == "swiglu=pallas;rmsnorm=pallas"
+    path.write_text("precision: coat\nfp8_op_kernels: swiglu\n")
+    with pytest.raises(ValueError, match="is not op=implementation"):
+        load_config(path, ["fp8_op_kernels.rmsnorm=xla"])

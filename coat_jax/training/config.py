@@ -119,8 +119,9 @@ class TrainConfig:
       against XLA's fusions': Llama-2-7B 2.2% lower at batch 1, level at batch 4, 0.9% to 2.8%
       higher at batches 8 to 20; the 76M model 3.5% and 4.0% lower at 16384 and 65536 tokens.
     - ``fp8_op_kernels``: exceptions to ``fp8_kernels``, op by op:
-      ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``, which a
-      ``base:`` file's mapping merges into op by op, as for any mapping) with ops
+      ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``, which
+      merges into a ``base:`` file's setting op by op, and ``fp8_op_kernels.OP=IMPL`` on the
+      command line sets one op and keeps the others, whichever form the file used) with ops
       ``quantize_per_tensor`` (the linear layers' per-tensor quantizer),
       ``quantize_per_group`` (FP8 attention's q, k, v), ``rmsnorm``,
       ``silu``, ``mul``, ``swiglu`` and implementations ``auto``, ``xla``, ``pallas``
@@ -490,8 +491,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                 f"override {item!r}: the value is not valid YAML ({e.problem}); quote it, e.g. "
                 f"{key}='\"{text}\"'"
             ) from None
-        _set_dotted(raw, key.strip(), value)
+        key = key.strip()
+        if key.startswith("fp8_op_kernels."):
+            _op_kernels_as_mapping(raw)
+        _set_dotted(raw, key, value)
     return from_dict(raw)
+
+
+def _op_kernels_as_mapping(raw: dict) -> None:
+    """``raw["fp8_op_kernels"]`` in its text form becomes a mapping, so that one op's setting
+    (``fp8_op_kernels.OP=IMPL``, or a mapping in a file over a ``base:`` file's text) replaces
+    or adds that op and keeps the others, as over a mapping."""
+    if isinstance(raw.get("fp8_op_kernels"), str):
+        raw["fp8_op_kernels"] = dict(parse_op_kernels(raw["fp8_op_kernels"]))
 
 
 def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
@@ -525,6 +537,8 @@ def _load_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
 
 
 def _deep_update(dst: dict, src: Mapping) -> None:
+    if isinstance(src.get("fp8_op_kernels"), Mapping):
+        _op_kernels_as_mapping(dst)
     for key, value in src.items():
         if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
             _deep_update(dst[key], value)
