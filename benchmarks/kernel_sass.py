@@ -192,8 +192,12 @@ def sass(ptx: str, ptxas: str, cuobjdump: str) -> tuple[list[tuple[int, str]], s
         if dumped.returncode:
             raise SystemExit(f"cuobjdump failed:\n{dumped.stderr[-2000:]}")
         listing = dumped.stdout
-    lines = [(int(m[1], 16), m[2]) for m in map(SASS_LINE.match, listing.splitlines()) if m]
-    return lines, usage.strip()
+    return parse_listing(listing), usage.strip()
+
+
+def parse_listing(listing: str) -> list[tuple[int, str]]:
+    """``[(address, instruction)]`` of a ``cuobjdump -sass`` listing."""
+    return [(int(m[1], 16), m[2]) for m in map(SASS_LINE.match, listing.splitlines()) if m]
 
 
 def opcode(instruction: str) -> str:
@@ -246,9 +250,9 @@ def load_schedule(lines: list[tuple[int, str]], taken: list[int]) -> dict:
     """Where the fast path issues its global loads (``LDG``), as fractions of its length: a
     load issued late leaves its latency exposed unless other warps cover it. ``wide`` are the
     128-bit loads (the float32 tiles: gradient, parameter)."""
-    n = len(taken)
-    loads = [k / n for k, i in enumerate(taken) if opcode(lines[i][1]).startswith("LDG")]
-    wide = [k / n for k, i in enumerate(taken) if opcode(lines[i][1]).startswith("LDG.E.128")]
+    at = [(k / len(taken), opcode(lines[i][1])) for k, i in enumerate(taken)]
+    loads = [x for x, op in at if op.startswith("LDG")]
+    wide = [x for x, op in at if op.startswith("LDG.E.128")]
     return {"loads": len(loads), "last_load_at": max(loads, default=0.0), "wide_loads_at": wide}
 
 

@@ -888,27 +888,38 @@ def _kernel(
 
         return row_mask, tile_mask, load, store
 
-    def load_moment(moment_refs, row_mask, tile_mask, load):
-        # Codes, then statistics; statistics of padding rows read as 1 so those rows compute
-        # finite garbage.
-        return [load(moment_refs[0], tile_mask, 0)] + [
-            load(r, row_mask, 1) for r in moment_refs[1:]
-        ]
+    def input_loaders(row_mask, tile_mask, load):
+        # One function per input of a tile, each loading it when called: the gradient, the two
+        # moments (codes, then statistics; statistics of padding rows read as 1 so those rows
+        # compute finite garbage) and the parameter.
+        def moment(moment_refs):
+            return lambda: (
+                [load(moment_refs[0], tile_mask, 0)]
+                + [load(r, row_mask, 1) for r in moment_refs[1:]]
+            )
 
-    def load_tile(t, live=None):
-        # Every input of tile t, as loaded (KernelConfig.prefetch).
-        row_mask, tile_mask, load, _ = tile_io(t, live)
         return (
-            load(grad_ref, tile_mask, 0),
-            load_moment(mu_in, row_mask, tile_mask, load),
-            load_moment(nu_in, row_mask, tile_mask, load),
-            load(param_ref, tile_mask, 0) if apply else None,
+            lambda: load(grad_ref, tile_mask, 0),
+            moment(mu_in),
+            moment(nu_in),
+            lambda: load(param_ref, tile_mask, 0),
         )
 
+    def load_tile(t, live=None):
+        # Every input of tile t, loaded now (KernelConfig.prefetch).
+        row_mask, tile_mask, load, _ = tile_io(t, live)
+        grad, mu, nu, param = input_loaders(row_mask, tile_mask, load)
+        return grad(), mu(), nu(), param() if apply else None
+
     def tile(t, loaded=None):
-        # Tile t, from its inputs as `load_tile` gives them or (None) loaded here.
+        # Tile t, from its inputs as `load_tile` gives them, or (None) each loaded just before
+        # its first use.
         row_mask, tile_mask, load, store = tile_io(t)
-        g_raw, mu_raw, nu_raw, p_raw = (None,) * 4 if loaded is None else loaded
+        if loaded is None:
+            inputs = input_loaders(row_mask, tile_mask, load)
+        else:
+            inputs = [lambda value=value: value for value in loaded]
+        grad, mu, nu, param = inputs
 
         def moment_in(raw, signed):
             codes, *stats = raw
@@ -932,14 +943,10 @@ def _kernel(
             for r, value in zip(moment_refs[1:], stats, strict=True):
                 store(r, value, row_mask)
 
-        def fetched(raw, moment_refs):
-            # A moment's loads: prefetched, or issued here (just before their use).
-            return load_moment(moment_refs, row_mask, tile_mask, load) if raw is None else raw
-
-        g = (load(grad_ref, tile_mask, 0) if g_raw is None else g_raw).astype(jnp.float32)
-        m = moment_in(fetched(mu_raw, mu_in), True)
+        g = grad().astype(jnp.float32)
+        m = moment_in(mu(), True)
         # The second moment is never negative (its codes neither).
-        v = moment_in(fetched(nu_raw, nu_in), False)
+        v = moment_in(nu(), False)
         if folded:
             # The clip factor and the bias corrections as scalars (KernelConfig.folded).
             clip = h[_GRAD_SCALE]
@@ -964,7 +971,7 @@ def _kernel(
             )
         update = update.astype(grad_ref.dtype)
         if apply:
-            p = (load(param_ref, tile_mask, 0) if p_raw is None else p_raw).astype(jnp.float32)
+            p = param().astype(jnp.float32)
             if folded:
                 u = math_.fma(h[_WD], p, update.astype(jnp.float32))
                 store(out_ref, math_.fma(u, h[_NEG_LR], p), tile_mask)

@@ -30,9 +30,7 @@ LISTING = """
 
 
 def test_fast_path_leaves_out_each_conditions_second_branch():
-    lines = [
-        (int(m[1], 16), m[2]) for m in map(kernel_sass.SASS_LINE.match, LISTING.splitlines()) if m
-    ]
+    lines = kernel_sass.parse_listing(LISTING)
     assert len(lines) == 14
     fast, branches = kernel_sass.fast_path(lines)
     assert branches == 1
@@ -57,17 +55,13 @@ def test_fast_path_refuses_an_if_else_that_is_not_a_flush_to_zero_pair():
     """A left-out block without the exact forms' fix-up compare means the listing's layout is
     not the one the reader assumes: it raises rather than count the wrong path."""
     swapped = LISTING.replace("1.1754943508222875e-38", "1.5")
-    lines = [
-        (int(m[1], 16), m[2]) for m in map(kernel_sass.SASS_LINE.match, swapped.splitlines()) if m
-    ]
+    lines = kernel_sass.parse_listing(swapped)
     with pytest.raises(RuntimeError, match="not a flush-to-zero/exact pair"):
         kernel_sass.fast_path(lines)
 
 
 def test_load_schedule_places_each_global_load_in_the_fast_path():
-    lines = [
-        (int(m[1], 16), m[2]) for m in map(kernel_sass.SASS_LINE.match, LISTING.splitlines()) if m
-    ]
+    lines = kernel_sass.parse_listing(LISTING)
     fast, _ = kernel_sass.fast_path(lines)
     wide = lines[:4] + [(0x038, "LDG.E.128 R8, desc[UR4][R6.64]")] + lines[4:]
     got = kernel_sass.load_schedule(lines, fast)

@@ -532,13 +532,13 @@ def _load_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if base is None:
         return data
     merged = _load_yaml_with_bases(path.parent / base, (*seen, path))
+    if isinstance(data.get("fp8_op_kernels"), Mapping):
+        _op_kernels_as_mapping(merged)
     _deep_update(merged, data)
     return merged
 
 
 def _deep_update(dst: dict, src: Mapping) -> None:
-    if isinstance(src.get("fp8_op_kernels"), Mapping):
-        _op_kernels_as_mapping(dst)
     for key, value in src.items():
         if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
             _deep_update(dst[key], value)
