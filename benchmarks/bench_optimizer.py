@@ -51,6 +51,7 @@ import _common as C  # noqa: E402
 import coat_jax  # noqa: E402
 from coat_jax import quant  # noqa: E402
 from coat_jax.training import sharding  # noqa: E402
+from coat_jax.training.plan import tree_bytes  # noqa: E402
 from pallas_kernels import coat_adam as ca  # noqa: E402
 
 LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 0.1
@@ -115,10 +116,6 @@ def make_tree(shapes, dtype, seed, scale):
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     gen = jax.jit(lambda k, s: scale * jax.random.normal(k, s, dtype), static_argnums=1)
     return treedef.unflatten([gen(k, s) for k, s in zip(keys, leaves, strict=True)])
-
-
-def tree_bytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
 
 
 def sync(tree):
@@ -237,8 +234,7 @@ def check_fits(name, init, shapes, stats):
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=is_shape)
-    state = jax.eval_shape(init, params)
-    need = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((params, state)))
+    need = tree_bytes((params, jax.eval_shape(init, params)))
     if need > free:
         raise MemoryError(
             f"{name}: its float32 parameters and optimizer state take {need / 2**30:.2f} GiB, "

@@ -39,7 +39,8 @@ class PlanRow:
         return dataclasses.asdict(self)
 
 
-def _tree_bytes(tree) -> int:
+def tree_bytes(tree) -> int:
+    """Bytes of a tree of arrays or ``jax.ShapeDtypeStruct`` leaves."""
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
@@ -84,7 +85,7 @@ def plan_memory(
             raise ValueError(f"batch sizes must be positive integers, got {b!r}")
     program = build_program(cfg, _llama_config(cfg))
     params, opt_state = program.abstract_params, program.abstract_opt_state
-    params_bytes, opt_bytes = _tree_bytes(params), _tree_bytes(opt_state)
+    params_bytes, opt_bytes = tree_bytes(params), tree_bytes(opt_state)
     limit = device_limit()
     rows: dict[int, PlanRow] = {}
 
