@@ -830,7 +830,15 @@ fp8_swiglu.defvjp(_fp8_swiglu_fwd, _fp8_swiglu_bwd)
 
 def attention_implementation(dtype, choice: str = "auto") -> str:
     """``jax.nn.dot_product_attention``'s ``implementation`` for :attr:`FP8Config.attention`:
-    ``"auto"`` is cuDNN's fused attention on the GPU in BF16 and XLA's elsewhere."""
+    ``"auto"`` is cuDNN's fused attention on the GPU in BF16 and XLA's elsewhere; ``"cudnn"``
+    without a GPU raises (JAX itself fails later there, with a message that depends on its
+    version)."""
+    if choice == "cudnn" and jax.default_backend() != "gpu":
+        raise RuntimeError(
+            f"attention='cudnn' runs cuDNN's fused attention, which needs a CUDA GPU, and this "
+            f"process's backend is {jax.default_backend()!r}: use attention='auto' (cuDNN on a "
+            "GPU, XLA's attention elsewhere) or 'xla'"
+        )
     if choice != "auto":
         return choice
     return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"

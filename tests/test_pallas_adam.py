@@ -746,11 +746,15 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked, rows
             **kw,
         )
 
-    exported = export.export(
-        jax.jit(step),
-        platforms=("cuda",),
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(jnp.zeros(stack), jnp.zeros(shape), mu, nu, jnp.int32(1))
+    # JAX 0.11's Triton lowering asks the device for its GPU's architecture, so without a GPU
+    # it needs an abstract one to lower for (0.10 lowers without asking; the context is inert).
+    hopper = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=hopper)):
+        exported = export.export(
+            jax.jit(step),
+            platforms=("cuda",),
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(jnp.zeros(stack), jnp.zeros(shape), mu, nu, jnp.int32(1))
     module = exported.mlir_module()
     assert module.count("__gpu$xla.gpu.triton") == 1
     # Parameter and moments are written in place: every output aliases an input.
