@@ -51,7 +51,6 @@ import _common as C  # noqa: E402
 import coat_jax  # noqa: E402
 from coat_jax import quant  # noqa: E402
 from coat_jax.training import sharding  # noqa: E402
-from coat_jax.training.plan import tree_bytes  # noqa: E402
 from pallas_kernels import coat_adam as ca  # noqa: E402
 
 LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 0.1
@@ -234,7 +233,7 @@ def check_fits(name, init, shapes, stats):
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=is_shape)
-    need = tree_bytes((params, jax.eval_shape(init, params)))
+    need = quant.state_bytes((params, jax.eval_shape(init, params)))
     if need > free:
         raise MemoryError(
             f"{name}: its float32 parameters and optimizer state take {need / 2**30:.2f} GiB, "
@@ -253,9 +252,9 @@ def run_optimizer(name, init, step, shapes, grads, args, *, update_bytes_per_ste
     compiled = jitted.lower(params, state, grads).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    state_bytes = tree_bytes(state)
-    param_bytes = tree_bytes(params)
-    grad_bytes = tree_bytes(grads)
+    state_bytes = quant.state_bytes(state)
+    param_bytes = quant.state_bytes(params)
+    grad_bytes = quant.state_bytes(grads)
     for _ in range(args.warmup):
         params, state = compiled(params, state, grads)
     sync((params, state))
@@ -455,7 +454,7 @@ def main(argv=None):
     grads = make_tree(shapes, grad_dtype, seed=2, scale=1e-3)
     meta["n_params"] = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=is_shape))
     meta["n_leaves"] = len(jax.tree.leaves(shapes, is_leaf=is_shape))
-    update_bytes = 2 * tree_bytes(grads)  # the chain's update: written once, read once
+    update_bytes = 2 * quant.state_bytes(grads)  # the chain's update: written once, read once
 
     def coat(impl):
         return coat_jax.coat_adamw(LR, B1, B2, EPS, WD, implementation=impl, interpret=INTERPRET)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import shutil
 import threading
@@ -44,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from coat_jax.quant import state_bytes  # a checkpoint's size before compression
 from coat_jax.training.errors import DivergedError
 
 
@@ -104,11 +104,6 @@ def _by_keypath(sums) -> dict[str, list[int]]:
 def leaf_checksums(tree) -> dict[str, list[int]]:
     """``{keypath: [sum, weighted sum]}`` of every leaf's bits, for detecting corrupt files."""
     return _by_keypath(jax.device_get(_tree_checksums(tree)))
-
-
-def state_bytes(tree) -> int:
-    """Bytes of a pytree's arrays (or ShapeDtypeStructs): a checkpoint's size before compression."""
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def _fmt_bytes(n: float) -> str:

@@ -13,11 +13,11 @@ XLA's CPU backend and says that it found no limit.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+from coat_jax.quant import state_bytes
 from coat_jax.training.config import TrainConfig
 
 GIB = 2**30
@@ -37,11 +37,6 @@ class PlanRow:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def tree_bytes(tree) -> int:
-    """Bytes of a tree of arrays or ``jax.ShapeDtypeStruct`` leaves."""
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def device_limit() -> int | None:
@@ -85,7 +80,7 @@ def plan_memory(
             raise ValueError(f"batch sizes must be positive integers, got {b!r}")
     program = build_program(cfg, _llama_config(cfg))
     params, opt_state = program.abstract_params, program.abstract_opt_state
-    params_bytes, opt_bytes = tree_bytes(params), tree_bytes(opt_state)
+    params_bytes, opt_bytes = state_bytes(params), state_bytes(opt_state)
     limit = device_limit()
     rows: dict[int, PlanRow] = {}
 
