@@ -29,3 +29,26 @@ def test_shards_partition_the_collection():
 def test_a_shard_outside_the_count_is_refused():
     with pytest.raises(ValueError, match="0 <= K < N"):
         Shard(3, 3)
+
+
+class _Item:
+    def __init__(self, nodeid, reasons=()):
+        self.nodeid = nodeid
+        self._marks = [SimpleNamespace(kwargs={"reason": r}) for r in reasons]
+
+    def iter_markers(self, name):
+        assert name == "skipif"
+        return iter(self._marks)
+
+
+def test_the_gpu_selection_keeps_gpu_files_and_gpu_skips_only():
+    gpu_file = _Item("tests/test_gemm_output.py::test_a")
+    cudnn = _Item("tests/test_llama.py::test_b", ["cuDNN's attention needs a GPU"])
+    cpu = _Item("tests/test_llama.py::test_c", ["the CPU only"])
+    plain = _Item("tests/test_train.py::test_d")
+    items = [gpu_file, cudnn, cpu, plain]
+    dropped = []
+    hook = SimpleNamespace(pytest_deselected=lambda items: dropped.extend(items))
+    Shard(0, 1, gpu=True).pytest_collection_modifyitems(SimpleNamespace(hook=hook), items)
+    assert items == [gpu_file, cudnn]
+    assert dropped == [cpu, plain]
