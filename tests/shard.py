@@ -4,9 +4,10 @@
 N (0 <= K < N) and deselects the rest; N such processes at once cover the suite, each with an even
 share of every file (docs/jax_versions.md ran the suite on JAX 0.11.2 this way).
 
-``python tests/shard.py --gpu K N [pytest arguments]`` first keeps only the tests a CPU skips for
-want of a GPU (a ``skipif`` whose reason names a GPU, CUDA or cuDNN) and the files of GPU kernel
-tests, :data:`GPU_FILES`, then shards those.
+``python tests/shard.py --gpu K N [pytest arguments]`` first keeps only the tests with a ``skipif``
+whose reason names a GPU, CUDA or cuDNN (those a CPU skips for want of a GPU, and the CPU-only
+variants beside them, which then skip on the GPU) and the files of GPU kernel tests,
+:data:`GPU_FILES`, then shards those.
 """
 
 from __future__ import annotations

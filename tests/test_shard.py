@@ -7,11 +7,11 @@ import pytest
 from tests.shard import Shard
 
 
-def _run(index, count, items):
+def _run(index, count, items, *, gpu=False):
     dropped = []
     hook = SimpleNamespace(pytest_deselected=lambda items: dropped.extend(items))
     items = list(items)
-    Shard(index, count).pytest_collection_modifyitems(SimpleNamespace(hook=hook), items)
+    Shard(index, count, gpu=gpu).pytest_collection_modifyitems(SimpleNamespace(hook=hook), items)
     return items, dropped
 
 
@@ -46,9 +46,6 @@ def test_the_gpu_selection_keeps_gpu_files_and_gpu_skips_only():
     cudnn = _Item("tests/test_llama.py::test_b", ["cuDNN's attention needs a GPU"])
     cpu = _Item("tests/test_llama.py::test_c", ["the CPU only"])
     plain = _Item("tests/test_train.py::test_d")
-    items = [gpu_file, cudnn, cpu, plain]
-    dropped = []
-    hook = SimpleNamespace(pytest_deselected=lambda items: dropped.extend(items))
-    Shard(0, 1, gpu=True).pytest_collection_modifyitems(SimpleNamespace(hook=hook), items)
+    items, dropped = _run(0, 1, [gpu_file, cudnn, cpu, plain], gpu=True)
     assert items == [gpu_file, cudnn]
     assert dropped == [cpu, plain]
