@@ -69,7 +69,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from coat_jax import attention, quant
+from coat_jax import attention, fp8_rowwise, quant
 from pallas_kernels import fp8_act, fp8_quant
 from pallas_kernels._dispatch import check_implementation, dispatch
 from pallas_kernels.sharding import KernelMesh
@@ -230,6 +230,12 @@ class FP8Config:
         kept codes straight into a scanned model's stacked residuals instead of into a buffer
         of their own that a device copy moves there (measured smaller and slower in the
         trainer's step: docs/bench_codes_barrier.md).
+      linear_scaling: how the FP8 linears of :func:`ops_for` scale their operands.
+        ``"tensor"`` (default, COAT): one scale per tensor (:func:`fp8_linear`). ``"row"``: one
+        per token of the input and one per output channel of the weight, backward GEMMs scaled
+        along their contraction axes; ``"row_gw_hp"``: the same with the weight gradient in the
+        compute dtype (:func:`coat_jax.fp8_rowwise.fp8_rowwise_linear`). The row-wise ones take
+        ``weight_residual="master"`` and ``attention_backward="recompute"`` only.
     """
 
     act_format: str = "e4m3"
@@ -248,8 +254,21 @@ class FP8Config:
     attention_backward: str = "recompute"
     swiglu: str = "coat"
     codes_barrier: bool = True
+    linear_scaling: str = "tensor"
 
     def __post_init__(self):
+        fp8_rowwise.check_linear_scaling(self.linear_scaling)
+        if self.linear_scaling != "tensor" and self.weight_residual != "master":
+            raise ValueError(
+                f"linear_scaling={self.linear_scaling!r} re-quantizes the master weight per "
+                f"channel, and weight_residual={self.weight_residual!r} hands per-tensor codes; "
+                "set weight_residual='master'"
+            )
+        if self.linear_scaling != "tensor" and self.attention_backward != "recompute":
+            raise ValueError(
+                f"linear_scaling={self.linear_scaling!r} has no fused attention and o_proj op; "
+                "set attention_backward='recompute' (or linear_scaling='tensor')"
+            )
         if self.gemm_dequant not in GEMM_DEQUANT:
             raise ValueError(
                 f"gemm_dequant={self.gemm_dequant!r} is not one of {list(GEMM_DEQUANT)}"
@@ -727,7 +746,7 @@ def fp8_dot_general(
             f"fp8_dot_general supports only x [..., K] @ w [K, N], i.e. dimension_numbers "
             f"{expected} with a 2-D rhs; got {dimension_numbers} with rhs shape {rhs.shape}"
         )
-    y = fp8_linear(lhs, rhs, config)
+    y = _linear_with_config(lhs, rhs, config=config)
     return y if preferred_element_type is None else y.astype(preferred_element_type)
 
 
@@ -1231,6 +1250,11 @@ def ops_for(
 def _recording_ops(plain: OpSet, precision: str, config: FP8Config, recorder) -> OpSet:
     """:func:`ops_for`'s FP8 ops as their ``observed_*`` variants, handing ``recorder`` the
     scales (closures: a recorder belongs to one trace, so these op sets are never cached)."""
+    if config.linear_scaling != "tensor":
+        raise ValueError(
+            f"the activation telemetry records per-tensor linear scales, and linear_scaling="
+            f"{config.linear_scaling!r} makes none; turn the telemetry off or use 'tensor'"
+        )
 
     def linear(x, w):
         y, scale = observed_linear(x, w, config)
@@ -1292,6 +1316,8 @@ def recorded_attention(config: FP8Config, recorder: ScaleRecorder):
 
 
 def _linear_with_config(x, w, *, config):
+    if config.linear_scaling != "tensor":
+        return fp8_rowwise.fp8_rowwise_linear(x, w, config)
     return fp8_linear(x, w, config)
 
 

@@ -43,6 +43,8 @@ DESCRIPTIONS = {
     "and up only (precision coat)",
     "fp8_gemm_output": "compute: FP8 GEMMs write BF16 activations themselves; float32: a "
     "float32 result cast afterwards",
+    "fp8_linear_scaling": "FP8 linear scales: tensor (COAT); row (per token and channel); "
+    "row_gw_hp (row, the weight gradient in BF16)",
     "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
     "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh; the FP8 ops: see "

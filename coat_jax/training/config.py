@@ -96,6 +96,11 @@ class TrainConfig:
       (``FP8Config.gemm_output``; precision ``fp8`` or ``coat``): ``compute`` (default, BF16
       straight from cuBLASLt) or ``float32`` (a float32 result, cast afterwards: twice the
       bytes; docs/fp8_gemm.md).
+    - ``fp8_linear_scaling``: how the FP8 linears scale their operands
+      (``FP8Config.linear_scaling``; precision ``fp8`` or ``coat``, with
+      ``fp8_weight_residual: master``): ``tensor`` (default, COAT: one scale per tensor),
+      ``row`` (one per token and per output channel, FP8 backward GEMMs) or ``row_gw_hp`` (the
+      same, the weight gradient in BF16); ``coat_jax.fp8_rowwise``.
     - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
       and their gradients; the optimizer still computes in float32 and each update is applied
       with stochastic rounding (``coat_jax.master``). An option, not a default: see
@@ -208,6 +213,7 @@ class TrainConfig:
     fp8_group_scale: Literal["float32", "e8m0"] = "float32"
     fp8_swiglu: Literal["coat", "fused"] = "coat"
     fp8_gemm_output: Literal["compute", "float32"] = "compute"
+    fp8_linear_scaling: Literal["tensor", "row", "row_gw_hp"] = "tensor"
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
     kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
@@ -349,6 +355,15 @@ class TrainConfig:
                 f"fp8_gemm_output={self.fp8_gemm_output} changes the FP8 GEMMs, and "
                 "precision=bf16 has none; use precision=fp8 or coat, or set "
                 "fp8_gemm_output=compute"
+            )
+        if self.fp8_linear_scaling != "tensor" and (
+            self.precision == "bf16" or self.fp8_weight_residual != "master"
+        ):
+            raise ValueError(
+                f"fp8_linear_scaling={self.fp8_linear_scaling} re-quantizes master weights in FP8 "
+                f"linears, and precision={self.precision} with fp8_weight_residual="
+                f"{self.fp8_weight_residual} does not; use precision=fp8 or coat with "
+                "fp8_weight_residual=master, or set fp8_linear_scaling=tensor"
             )
         if not self.fp8_codes_barrier and self.precision == "bf16":
             raise ValueError(

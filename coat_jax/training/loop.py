@@ -128,6 +128,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         swiglu=cfg.fp8_swiglu,
         attention_backward=cfg.fp8_attention_backward,
         gemm_output=cfg.fp8_gemm_output,
+        linear_scaling=cfg.fp8_linear_scaling,
         attention="xla" if cfg.deterministic else "auto",
         codes_barrier=codes_barrier(cfg),
         op_implementations=parse_op_kernels(cfg.fp8_op_kernels),

@@ -1,0 +1,225 @@
+"""Row-wise scaled FP8 linear: one scale per token of the input, one per output channel.
+
+``FP8Config(linear_scaling="row" | "row_gw_hp")`` runs every FP8 linear of :func:`coat_jax.
+fp8_ops.ops_for` through :func:`fp8_rowwise_linear` instead of the per-tensor ``fp8_linear``.
+The non-linear ops (1x16 E4M3 residuals) and the FP8 optimizer states are unchanged.
+
+Forward, for ``x [..., K]`` and ``w [K, N]``::
+
+    x_q, s_x = E4M3(x), amax over K per row        (s_x: one float32 per token)
+    w_q, s_w = E4M3(w), amax over K per column     (s_w: one float32 per output channel)
+    y = dot(convert(x_q), convert(w_q)) * (s_x[..., None] * s_w[None, :])
+
+Both scales are constant along the contraction axis, so they factor out of the sum and the GEMM
+itself runs with unit scales: XLA's GPU compiler can still rewrite it into cuBLASLt's FP8 GEMM
+(the scales-after-the-dot spelling, docs/fp8_gemm.md), and the scaling is an elementwise
+multiply that XLA fuses with the output's consumer. Each scale is a reduction along one axis of
+the operand its producer writes, which XLA can fuse into that producer's fusion, where a
+per-tensor scale needs the whole tensor's maximum before any code can be cast.
+
+Saved for backward: ``x``'s E4M3 codes and per-row scales (a :class:`~pallas_kernels.quant.
+QuantizedTensor` with one group of ``K`` per row, tagged :data:`ACTIVATION`) and a reference to
+the master weight, which backward quantizes again (``weight_residual="master"``, the only one
+this op takes).
+
+Backward (``dy [..., N]``), with every quantization along the GEMM's contraction axis, so that
+each scale again factors out of its sum:
+
+* ``dx = dy @ w.T``: ``dy`` in E5M2 per row (amax over N), ``w`` in E4M3 per row of ``w``
+  (amax over N).
+* ``dw = x.T @ dy``, ``linear_scaling="row"``: ``x`` dequantized from its saved codes and
+  quantized again in E4M3 per column (amax over the tokens), ``dy`` in E5M2 per column.
+  ``"row_gw_hp"``: the dequantized ``x`` and ``dy`` in the compute dtype (a BF16 GEMM, float32
+  accumulation), as torchao's ``ROWWISE_WITH_GW_HP`` recipe: the weight gradient, which sums
+  over every token, avoids the second quantization of ``x`` and the E5M2 ``dy``.
+
+The quantizers are jnp, left for XLA to fuse (no Pallas kernel: the point of row-wise scales is
+that their reduction fits in the producing fusion). FP8 codes pass an optimization barrier
+unless ``config.codes_barrier`` is off, as the per-tensor linear's XLA quantizer does
+(``coat_jax.fp8_ops.materialize`` says why).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from coat_jax import quant
+
+# What FP8Config.linear_scaling selects: "tensor" is coat_jax.fp8_ops.fp8_linear (one scale per
+# tensor); the others this module's op, differing in the weight gradient's GEMM.
+LINEAR_SCALINGS = ("tensor", "row", "row_gw_hp")
+# The ``checkpoint_name`` of kept activations: the name ``coat_jax.fp8_ops.ACTIVATION`` holds
+# (this module sits below fp8_ops, which dispatches to it; tests check the two agree).
+ACTIVATION = "activation"
+
+
+def check_linear_scaling(linear_scaling: str) -> str:
+    if linear_scaling not in LINEAR_SCALINGS:
+        raise ValueError(
+            f"linear_scaling={linear_scaling!r} is not one of {list(LINEAR_SCALINGS)}: 'tensor' "
+            "scales each linear's operands per tensor, 'row' per token and output channel with "
+            "FP8 backward GEMMs, 'row_gw_hp' the same with the weight gradient in BF16"
+        )
+    return linear_scaling
+
+
+def quantize_along(x: jax.Array, axis: int, fmt: str, config) -> tuple[jax.Array, jax.Array]:
+    """``(codes, scale)`` of ``x`` with one float32 absmax scale per slice along ``axis``
+    (``scale`` keeps ``axis`` with length 1, so ``codes * scale`` is the dequantized value).
+
+    The scale is ``(max|x| + 1e-20) / fmax`` over the slice, COAT's absmax rule
+    (:func:`~pallas_kernels.quant.absmax_scale`); codes are clipped then cast.
+
+    Example:
+      >>> from coat_jax.fp8_ops import FP8Config
+      >>> codes, scale = quantize_along(jnp.ones((4, 8)), 1, "e4m3", FP8Config())
+      >>> codes.dtype, scale.shape
+      (dtype(float8_e4m3fn), (4, 1))
+    """
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=axis, keepdims=True)
+    scale = quant.absmax_scale(amax, quant.FP8_MAX[fmt], "float32")
+    codes = quant.cast_to_fp8(x32 / scale, fmt)
+    if config.codes_barrier:
+        codes = jax.lax.optimization_barrier(codes)
+    return codes, scale
+
+
+def _dot(a_codes, b_codes, contracting, scale, config, compute_dtype, out_dtype):
+    """``dot(convert(a_codes), convert(b_codes)) * scale`` in ``out_dtype``: an FP8 GEMM with
+    unit scales, float32 accumulation, then the operands' scales as one outer product.
+
+    The converts follow ``coat_jax.fp8_ops``'s FP8 GEMMs (``config.gemm_dequant``). A BF16
+    result under ``gemm_output="compute"`` is written by the GEMM in BF16 (the rewriter emits a
+    BF16 result only for a BF16 dot) and scaled in float32 after: two roundings to BF16. Any
+    other result is a float32 GEMM output, scaled, then cast.
+    """
+    dims = (contracting, ((), ()))
+    out_dtype = jnp.dtype(out_dtype)
+    if config.gemm_output == "compute" and out_dtype == jnp.bfloat16:
+        acc = jax.lax.dot_general(
+            a_codes.astype(out_dtype),
+            b_codes.astype(out_dtype),
+            dims,
+            preferred_element_type=out_dtype,
+        )
+    else:
+        dtype = jnp.float32 if config.gemm_dequant == "float32" else compute_dtype
+        acc = jax.lax.dot_general(
+            a_codes.astype(dtype), b_codes.astype(dtype), dims, preferred_element_type=jnp.float32
+        )
+    return (acc.astype(jnp.float32) * scale).astype(out_dtype)
+
+
+def _as_weights(w) -> tuple:
+    return tuple(w) if isinstance(w, (tuple, list)) else (w,)
+
+
+def _check(x, w, config):
+    check_linear_scaling(config.linear_scaling)
+    if config.linear_scaling == "tensor":
+        raise ValueError(
+            "fp8_rowwise_linear runs linear_scaling='row' or 'row_gw_hp'; for 'tensor' call "
+            "coat_jax.fp8_ops.fp8_linear"
+        )
+    weights = _as_weights(w)
+    if not weights:
+        raise ValueError("fp8_rowwise_linear needs at least one weight")
+    for wi in weights:
+        if not isinstance(wi, jax.Array):
+            raise TypeError(
+                f"fp8_rowwise_linear takes master weights (arrays), got {type(wi).__name__}; "
+                "row-wise scaling re-quantizes the master weight, use weight_residual='master'"
+            )
+        if wi.ndim != 2 or x.ndim < 1 or x.shape[-1] != wi.shape[0]:
+            raise ValueError(
+                f"fp8_rowwise_linear needs x [..., K] and w [K, N]; got x {x.shape} and "
+                f"w {wi.shape}"
+            )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_rowwise_linear(x: jax.Array, w, config):
+    """``x @ w`` as an FP8 GEMM with per-token and per-output-channel E4M3 scales.
+
+    Args:
+      x: activations ``[..., K]`` (BF16 or float32).
+      w: master weight ``[K, N]`` or a tuple of them sharing the input (q|k|v, gate|up: ``x``
+        is quantized and kept once).
+      config: a static ``coat_jax.fp8_ops.FP8Config`` with ``linear_scaling`` ``"row"`` or
+        ``"row_gw_hp"`` (its formats, ``gemm_dequant``, ``gemm_output`` and
+        ``codes_barrier`` apply).
+
+    Returns:
+      ``[..., N]`` in ``x.dtype`` (a tuple for a tuple ``w``); weight gradients come back in
+      each master weight's dtype.
+
+    Example:
+      >>> from coat_jax.fp8_ops import FP8Config
+      >>> x = jnp.ones((2, 8, 32), jnp.bfloat16)
+      >>> fp8_rowwise_linear(x, jnp.ones((32, 16)), FP8Config(linear_scaling="row")).shape
+      (2, 8, 16)
+    """
+    return _fp8_rowwise_linear_fwd(x, w, config)[0]
+
+
+def _fp8_rowwise_linear_fwd(x, w, config):
+    _check(x, w, config)
+    k = x.shape[-1]
+    # The 2-D view feeds the GEMM straight from the codes' producer (no reshape in between).
+    x_codes, x_scale = quantize_along(x.reshape(-1, k), 1, config.act_format, config)
+    ys = []
+    for wi in _as_weights(w):
+        w_codes, w_scale = quantize_along(wi, 0, config.act_format, config)
+        y = _dot(x_codes, w_codes, ((1,), (0,)), x_scale * w_scale, config, x.dtype, x.dtype)
+        ys.append(y.reshape(*x.shape[:-1], wi.shape[1]))
+    kept = quant.QuantizedTensor(
+        x_codes.reshape(x.shape),
+        x_scale.reshape(*x.shape[:-1], 1),
+        fmt=config.act_format,
+        granularity="group",
+        group_size=k,
+    )
+    out = tuple(ys) if isinstance(w, (tuple, list)) else ys[0]
+    return out, (quant.named(kept, ACTIVATION), w)
+
+
+def _fp8_rowwise_linear_bwd(config, res, dy):
+    x_q, w = res
+    weights, dys = _as_weights(w), _as_weights(dy)
+    compute = dys[0].dtype
+    k = x_q.shape[-1]
+    x = x_q.dequantize().reshape(-1, k)
+    if config.linear_scaling == "row":
+        xt_codes, xt_scale = quantize_along(x, 0, config.act_format, config)
+    dx, dws = None, []
+    for wi, dyi in zip(weights, dys, strict=True):
+        dy2 = dyi.reshape(-1, wi.shape[1])
+        dy_codes, dy_scale = quantize_along(dy2, 1, config.grad_format, config)
+        w_codes, w_scale = quantize_along(wi, 1, config.act_format, config)
+        # A tuple of weights sums its input gradients in float32.
+        dx_dtype = compute if len(dys) == 1 else jnp.float32
+        dx_i = _dot(
+            dy_codes, w_codes, ((1,), (1,)), dy_scale * w_scale.T, config, compute, dx_dtype
+        )
+        dx = dx_i if dx is None else dx + dx_i
+        if config.linear_scaling == "row":
+            dyt_codes, dyt_scale = quantize_along(dy2, 0, config.grad_format, config)
+            scale = xt_scale.T * dyt_scale
+            dw = _dot(xt_codes, dyt_codes, ((0,), (0,)), scale, config, compute, jnp.float32)
+        else:
+            dw = jax.lax.dot_general(
+                x.astype(compute),
+                dy2.astype(compute),
+                (((0,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+        dws.append(dw.astype(wi.dtype))
+    dx = dx.astype(compute).reshape(*dys[0].shape[:-1], k)
+    return dx, (type(w)(dws) if isinstance(w, (tuple, list)) else dws[0])
+
+
+fp8_rowwise_linear.defvjp(_fp8_rowwise_linear_fwd, _fp8_rowwise_linear_bwd)
