@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Row-wise scaled FP8 linear (FP8Config.linear_scaling, trainer key fp8_linear_scaling) on one
+# GPU, within 9 minutes of wall clock:
+#   1. tests/test_fp8_rowwise.py (its GPU-only test: the cuBLASLt FP8 GEMMs of each scaling);
+#   2. benchmarks/rowwise_hlo.py: GEMMs and quantizing fusions of an RMSNorm + linear at a
+#      Llama-2-7B MLP size, per scaling (summary in run.log, full HLO in hlo_*.txt.gz);
+#   3. one Llama-2-7B decoder layer (benchmarks/bench_layer.py, the trainer's model with one
+#      layer, seq 2048, each setting in its own process): BF16, COAT per-tensor and COAT
+#      row-wise with both weight-gradient variants, fwd+bwd and the layer step with the
+#      optimizer, plus each one's time split.
+# The whole Llama-2-7B step (bench_e2e.py) is not run: BF16 with optax's float32 AdamW needs
+# about 104 GiB for weights, gradients and moments, more than an 80 GiB card holds.
+# COAT runs the FP8 options of its largest-batch setting that apply to one layer (FP8
+# attention, E8M0 group scales, master weights re-quantized, fused SwiGLU, no clipping); the
+# whole-model ones (optimizer in backward, chunked loss) have no meaning for one layer.
+#
+#   OUT=runs/rowwise bash benchmarks/rowwise_gpu.sh
+#   SMOKE=1 OUT=/tmp/rowwise bash benchmarks/rowwise_gpu.sh   # the same commands, tiny, on a CPU
+#
+# Writes to $OUT (6 files): run.log, hlo_{tensor,row,row_gw_hp}.txt.gz, layer/layer.jsonl,
+# layer.md. Every step has a timeout, cut to what is left of the budget.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/rowwise}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+LOG=$OUT/run.log
+BUDGET_S=${BUDGET_S:-530}
+START=$(date +%s)
+HLO_SIZE=()
+TINY=()
+if [[ -n ${SMOKE:-} ]]; then
+  HLO_SIZE=(--tokens 64 --hidden 32 --ffn 48)
+  TINY=(--tiny)
+fi
+
+run_step() {  # run_step SECONDS COMMAND...: at most SECONDS, and never past the budget
+  local limit=$1 left
+  shift
+  left=$((BUDGET_S - ($(date +%s) - START)))
+  ((limit > left)) && limit=$left
+  if ((limit < 20)); then
+    echo "== skipped, budget spent: $*" >>"$LOG"
+    return
+  fi
+  echo "== $(date -u +%H:%M:%S) (at most ${limit}s) $*" >>"$LOG"
+  timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+  echo "== exit $?" >>"$LOG"
+}
+
+{
+  git log --oneline -1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+} >>"$LOG" 2>&1
+
+run_step 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8_rowwise.py
+run_step 80 python3 benchmarks/rowwise_hlo.py --out "$OUT" "${HLO_SIZE[@]}"
+
+COAT=(--set fp8_attention=true --set fp8_group_scale=e8m0 --set fp8_swiglu=fused
+  --set grad_clip=null)
+LAYER=(python3 benchmarks/bench_layer.py --batches 8 --reps 10 --warmup 2 --profile-reps 2
+  --no-child-logs --weight-residual master --out-dir "$OUT/layer" "${TINY[@]}")
+run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes coat "${COAT[@]}"
+run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes coat "${COAT[@]}" \
+  --set fp8_linear_scaling=row
+run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes bf16
+run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes coat "${COAT[@]}" \
+  --set fp8_linear_scaling=row_gw_hp
+run_step 30 python3 benchmarks/bench_layer.py --report-only --out-dir "$OUT/layer" \
+  --docs "$OUT/layer.md"
+echo "== done after $(($(date +%s) - START))s" >>"$LOG"
