@@ -26,7 +26,7 @@ from coat_jax.fp8_ops import FP8Config, ops_for
 from coat_jax.fp8_rowwise import fp8_rowwise_linear, quantize_along
 from coat_jax.memory import residuals
 from coat_jax.training import load_config
-from coat_jax.training.loop import train
+from coat_jax.training.loop import build_program, train
 from tests.jaxprs import equations
 from tests.tiny_runs import tiny_run
 
@@ -192,6 +192,9 @@ def test_trainer_runs_three_steps(tmp_path):
         f"output_dir={tmp_path}/r",
     ]
     cfg = load_config(None, overrides)
+    program = build_program(cfg, cfg.model)
+    model = program.model_def.bind(program.abstract_params)
+    assert model.fp8_config.linear_scaling == "row"  # the key reaches the model's FP8 ops
     result = train(cfg, say=lambda msg: None)
     assert result.step == 3 and np.isfinite(result.val_loss)
 
