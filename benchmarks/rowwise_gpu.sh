@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Row-wise scaled FP8 linear (FP8Config.linear_scaling, trainer key fp8_linear_scaling) on one
 # GPU, within 9 minutes of wall clock:
-#   1. tests/test_fp8_rowwise.py (its GPU-only test: the cuBLASLt FP8 GEMMs of each scaling);
+#   1. tests/test_fp8_rowwise.py (its GPU-only test: the cuBLASLt FP8 GEMMs of each scaling;
+#      the three-step trainer run, a compile-bound CPU test, is left to the CPU);
 #   2. benchmarks/rowwise_hlo.py: GEMMs and quantizing fusions of an RMSNorm + linear at a
 #      Llama-2-7B MLP size, per scaling (summary in run.log, full HLO in hlo_*.txt.gz);
 #   3. one Llama-2-7B decoder layer (benchmarks/bench_layer.py, the trainer's model with one
@@ -25,7 +26,7 @@ OUT=${OUT:-runs/rowwise}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 LOG=$OUT/run.log
-BUDGET_S=${BUDGET_S:-530}
+BUDGET_S=${BUDGET_S:-510}
 START=$(date +%s)
 HLO_SIZE=()
 TINY=()
@@ -54,19 +55,21 @@ run_step() {  # run_step SECONDS COMMAND...: at most SECONDS, and never past the
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 } >>"$LOG" 2>&1
 
-run_step 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8_rowwise.py
-run_step 80 python3 benchmarks/rowwise_hlo.py --out "$OUT" "${HLO_SIZE[@]}"
+run_step 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8_rowwise.py \
+  -k "not trainer_runs_three_steps"
+run_step 60 python3 benchmarks/rowwise_hlo.py --out "$OUT" "${HLO_SIZE[@]}"
 
 COAT=(--set fp8_attention=true --set fp8_group_scale=e8m0 --set fp8_swiglu=fused
   --set grad_clip=null)
 LAYER=(python3 benchmarks/bench_layer.py --batches 8 --reps 10 --warmup 2 --profile-reps 2
   --no-child-logs --weight-residual master --out-dir "$OUT/layer" "${TINY[@]}")
-run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes coat "${COAT[@]}"
-run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes coat "${COAT[@]}" \
+run_step 85 "${LAYER[@]}" --child-timeout-s 80 --modes coat "${COAT[@]}"
+run_step 85 "${LAYER[@]}" --child-timeout-s 80 --modes coat "${COAT[@]}" \
   --set fp8_linear_scaling=row
-run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes bf16
-run_step 80 "${LAYER[@]}" --child-timeout-s 75 --modes coat "${COAT[@]}" \
+run_step 85 "${LAYER[@]}" --child-timeout-s 80 --modes bf16
+run_step 85 "${LAYER[@]}" --child-timeout-s 80 --modes coat "${COAT[@]}" \
   --set fp8_linear_scaling=row_gw_hp
-run_step 30 python3 benchmarks/bench_layer.py --report-only --out-dir "$OUT/layer" \
-  --docs "$OUT/layer.md"
+# The table of whatever the layer runs recorded (seconds; outside the budget).
+timeout 30 python3 benchmarks/bench_layer.py --report-only --out-dir "$OUT/layer" \
+  --docs "$OUT/layer.md" >>"$LOG" 2>&1
 echo "== done after $(($(date +%s) - START))s" >>"$LOG"
