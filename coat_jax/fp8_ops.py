@@ -74,7 +74,8 @@ from typing import NamedTuple
 import jax
 
 from coat_jax import attention
-from coat_jax.fp8.attention import attention_implementation, fp8_attention, fp8_attention_linear
+from coat_jax.attention import attention_implementation
+from coat_jax.fp8.attention import fp8_attention, fp8_attention_linear
 from coat_jax.fp8.checks import check_float, check_pair
 from coat_jax.fp8.compiler import (
     GPU_BACKENDS,

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from coat_jax.attention import attend, attention_implementation
 from coat_jax.fp8_ops import (
     ACTIVATION,
     DEFAULT_CONFIG,
@@ -36,7 +37,6 @@ from coat_jax.fp8_ops import (
     FP8Weight,
     OpSet,
     ScaleRecorder,
-    attention_implementation,
     fp8_attention,
     fp8_attention_linear,
     ops_for,
@@ -322,14 +322,12 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
     return x_BTNH * cos + rotated * sin
 
 
-def _attend(q_BTNH, k_BTKH, v_BTKH, implementation="auto"):
-    impl = attention_implementation(q_BTNH.dtype, implementation)
-    attend = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation=impl
-    )
-    if impl == "xla":
-        attend = jax.checkpoint(attend)
-    return attend(q_BTNH, k_BTKH, v_BTKH)
+def _model_attention(dtype, implementation: str):
+    """Causal :func:`coat_jax.attention.attend` on the kernel ``implementation`` resolves to;
+    XLA's under ``jax.checkpoint``, since it would keep the [B, N, T, T] probabilities."""
+    impl = attention_implementation(dtype, implementation)
+    attend_fn = functools.partial(attend, is_causal=True, implementation=impl)
+    return jax.checkpoint(attend_fn) if impl == "xla" else attend_fn
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -343,13 +341,12 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto") -> ja
     `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
     ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`.
     """
-    return _attend(q_BTNH, k_BTKH, v_BTKH, implementation)
+    return _model_attention(q_BTNH.dtype, implementation)(q_BTNH, k_BTKH, v_BTKH)
 
 
 def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto"):
-    out, pullback = jax.vjp(
-        lambda q, k, v: _attend(q, k, v, implementation), q_BTNH, k_BTKH, v_BTKH
-    )
+    attend_fn = _model_attention(q_BTNH.dtype, implementation)
+    out, pullback = jax.vjp(attend_fn, q_BTNH, k_BTKH, v_BTKH)
     return out, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION), pullback)
 
 

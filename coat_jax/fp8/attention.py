@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from coat_jax import attention
 from coat_jax.fp8.checks import check_float
@@ -15,27 +14,6 @@ from coat_jax.fp8.config import DEFAULT_CONFIG, FP8Config
 from coat_jax.fp8.linear import fp8_linear_bwd, fp8_linear_fwd
 from coat_jax.fp8.residuals import keep, pin
 from pallas_kernels import fp8_quant
-
-
-def attention_implementation(dtype, choice: str = "auto") -> str:
-    """``jax.nn.dot_product_attention``'s ``implementation`` for :attr:`FP8Config.attention`:
-    ``"auto"`` is cuDNN's fused attention on the GPU in BF16 and XLA's elsewhere; ``"cudnn"``
-    without a GPU raises (JAX itself fails later there, with a message that depends on its
-    version)."""
-    if choice == "cudnn" and jax.default_backend() != "gpu":
-        raise RuntimeError(
-            f"attention='cudnn' runs cuDNN's fused attention, which needs a CUDA GPU, and this "
-            f"process's backend is {jax.default_backend()!r}: use attention='auto' (cuDNN on a "
-            "GPU, XLA's attention elsewhere) or 'xla'"
-        )
-    if choice != "auto":
-        return choice
-    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
-
-
-def _attend(q, k, v, is_causal, choice="auto"):
-    impl = attention_implementation(q.dtype, choice)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -80,12 +58,16 @@ def _kept_qkv(q, k, v, config):
 
 def _fp8_attention_fwd(q, k, v, is_causal, config):
     _check_attention_inputs(q, k, v)
-    return _attend(q, k, v, is_causal, config.attention), _kept_qkv(q, k, v, config)
+    impl = attention.attention_implementation(q.dtype, config.attention)
+    out = attention.attend(q, k, v, is_causal=is_causal, implementation=impl)
+    return out, _kept_qkv(q, k, v, config)
 
 
 def _fp8_attention_bwd(is_causal, config, res, dy):
     q, k, v = (t.dequantize().astype(dy.dtype) for t in res)
-    _, pullback = jax.vjp(lambda q, k, v: _attend(q, k, v, is_causal, config.attention), q, k, v)
+    impl = attention.attention_implementation(q.dtype, config.attention)
+    attend = functools.partial(attention.attend, is_causal=is_causal, implementation=impl)
+    _, pullback = jax.vjp(attend, q, k, v)
     return pullback(dy)
 
 
@@ -130,7 +112,7 @@ def _fp8_attention_linear_fwd(q, k, v, w, is_causal, config):
             "fp8_attention_linear takes one o_proj weight [N * H, D] (or its FP8Weight), not a "
             f"{type(w).__name__} of {len(w)}; run fp8_attention and fp8_linear for several"
         )
-    impl = attention_implementation(q.dtype, config.attention)
+    impl = attention.attention_implementation(q.dtype, config.attention)
     out, stats = attention.forward(q, k, v, is_causal, impl)
     b, t, n, h = q.shape
     y, linear_res = fp8_linear_fwd(out.reshape(b, t, n * h), w, config)
@@ -143,7 +125,7 @@ def _fp8_attention_linear_bwd(is_causal, config, res, dy):
     q, k, v = (x.dequantize().astype(dy.dtype) for x in saved)
     # The linear's kept input is the attention output's E4M3 per-tensor codes, [B * T, N * H].
     out = linear_res[0].dequantize().astype(dy.dtype).reshape(q.shape)
-    impl = attention_implementation(q.dtype, config.attention)
+    impl = attention.attention_implementation(q.dtype, config.attention)
     dq, dk, dv = attention.backward(q, k, v, out, stats, d_out.reshape(q.shape), is_causal, impl)
     return dq, dk, dv, dw
 
