@@ -11,6 +11,7 @@ weights, which quantizes (and saves) the shared input once, without a concatenat
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,38 @@ def _causal_attention_bwd(implementation, pullback, dout):
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
+class KVCache(NamedTuple):
+    """One decoder layer's keys and values for decoding with a cache (``coat_jax.generate``).
+
+    Attributes:
+      k, v: ``[B, S, K, H]``, S the cache's length; columns ``start..start+T-1`` take the T
+        new tokens' keys and values.
+      start: the column of the first new token (a scalar int).
+      mask: boolean ``[B, 1, T, S]``: the columns each new query attends to (the causal order
+        and each row's padding).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array
+    mask: jax.Array
+
+    def attend(self, q_BTNH, k_BTKH, v_BTKH, ops) -> tuple[jax.Array, KVCache]:
+        """``(out_BTNH, cache)``: the new keys and values written in, then attention of the new
+        queries over the cache under :attr:`mask`, in the compute dtype on XLA's kernel."""
+        if ops.attention is not None or ops.attention_linear is not None:
+            raise ValueError(
+                "decoding with a KVCache runs the plain attention over the cache; call the layer "
+                "with an op set whose attention is None, e.g. coat_jax.fp8_ops.ops_for('bf16')"
+            )
+        k = jax.lax.dynamic_update_slice(self.k, k_BTKH, (0, self.start, 0, 0))
+        v = jax.lax.dynamic_update_slice(self.v, v_BTKH, (0, self.start, 0, 0))
+        out_BTNH = attention.attend(
+            q_BTNH, k, v, is_causal=False, implementation="xla", mask=self.mask
+        )
+        return out_BTNH, self._replace(k=k, v=v)
+
+
 def normal_param(rngs: nnx.Rngs, shape, param_dtype, std: float) -> nnx.Param:
     """A parameter drawn from N(0, std^2) (HF's ``initializer_range``)."""
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype))
@@ -117,7 +150,10 @@ class Attention(nnx.Module):
         self.o_proj = normal_param(rngs, (n * hd, d), param_dtype, std)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, hd
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None):
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
+        """The attention block's output [B, T, D]; with a :class:`KVCache` ``cache``, ``(out,
+        cache)``: the new tokens' keys and values written into it at ``cache.start``, and
+        attention over the cache under ``cache.mask`` (decoding)."""
         n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
         # One linear call for q, k and v: the shared input is quantized and saved once, and the
         # weights stay separate (no concatenated copy lives until backward).
@@ -127,6 +163,9 @@ class Attention(nnx.Module):
         k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
         v_BTKH = v.reshape(b, t, k, hd)
         o_proj = _linear_weights(self, ("o_proj",), codes)
+        if cache is not None:
+            out_BTNH, cache = cache.attend(q_BTNH, k_BTKH, v_BTKH, ops)
+            return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj), cache
         if ops.attention_linear is not None:
             return ops.attention_linear(q_BTNH, k_BTKH, v_BTKH, o_proj)
         out_BTNH = (ops.attention or causal_attention)(q_BTNH, k_BTKH, v_BTKH)
@@ -154,9 +193,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
         self.mlp = MLP(config, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None):
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
         """One layer; ``codes``: this step's FP8 codes of its linear weights, by sub-module and
-        name as :data:`LINEAR_WEIGHTS` (``Llama.weight_codes``), or ``None``."""
+        name as :data:`LINEAR_WEIGHTS` (``Llama.weight_codes``), or ``None``. With a
+        :class:`KVCache` ``cache`` (decoding), ``(x_BTD, cache)``: the layer's output and its
+        cache with the new tokens' keys and values."""
         codes = codes or {}
         h = self.self_attn(
             self.input_layernorm(x_BTD, ops),
@@ -164,7 +205,11 @@ class DecoderLayer(nnx.Module):
             inv_freq,
             ops,
             codes.get("self_attn"),
+            cache,
         )
+        if cache is not None:
+            h, cache = h
         x_BTD = ops.add(x_BTD, h)
         mlp = self.mlp(self.post_attention_layernorm(x_BTD, ops), ops, codes.get("mlp"))
-        return ops.add(x_BTD, mlp)
+        x_BTD = ops.add(x_BTD, mlp)
+        return x_BTD if cache is None else (x_BTD, cache)
