@@ -223,6 +223,7 @@ def ops_for(
         forward and backward, the same results. ``None``: the plain FP8 ops.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> ops = ops_for("coat")
       >>> ops.silu(jnp.ones((2, 32), jnp.bfloat16)).dtype
       dtype(bfloat16)
