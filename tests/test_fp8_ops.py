@@ -792,6 +792,21 @@ def test_fp8_weight_residual_quantizes_each_weight_once():
     assert counts == {"master": 2 * len(ws), "fp8": len(ws), "once": len(ws)}, counts
 
 
+def test_op_sets_carry_their_ops_names_and_docstrings():
+    # help(ops_for("coat").linear) shows fp8_linear's docstring, not a functools.partial's.
+    ops = ops_for("coat", FP8Config(swiglu="fused"))
+    for name, op in (
+        ("linear", fp8_ops.fp8_linear),
+        ("rmsnorm", fp8_ops.fp8_rmsnorm),
+        ("silu", fp8_ops.fp8_silu),
+        ("mul", fp8_ops.fp8_mul),
+        ("swiglu", fp8_ops.fp8_swiglu),
+    ):
+        bound = getattr(ops, name)
+        assert bound.__name__ == op.__name__ and bound.__doc__ == op.__doc__, name
+        assert "FP8" in bound.__doc__, name
+
+
 def test_weight_quantizer_is_the_weight_path():
     # fp8_linear quantizes weights with _per_tensor(..., weight=True); on one device (no kernel
     # mesh) it is the same quantizer as the activations' (bit for bit).
