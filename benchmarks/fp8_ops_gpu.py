@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from coat_jax import fp8_ops  # noqa: E402
+from coat_jax.attention import attend, attention_implementation  # noqa: E402
 from coat_jax.fp8_ops import FP8Config, ops_for  # noqa: E402
 
 TOKENS, D, F = 4 * 2048, 4096, 11008
@@ -60,11 +61,12 @@ def main():
     u = jax.random.normal(keys[2], (TOKENS, F), jnp.bfloat16)
     w = 0.02 * jax.random.normal(keys[3], (D, F), jnp.float32)
     nw = jnp.ones((D,), jnp.float32)
-    modes = {
-        "bf16": ops_for("bf16"),
-        "fp8/xla": ops_for("coat", FP8Config(implementation="xla")),
-        "fp8/pallas": ops_for("coat", FP8Config(implementation="pallas")),
+    configs = {
+        "fp8/xla": FP8Config(implementation="xla"),
+        "fp8/pallas": FP8Config(implementation="pallas"),
     }
+    modes = {"bf16": ops_for("bf16"), **{m: ops_for("coat", c) for m, c in configs.items()}}
+    config_of = {id(ops): configs.get(m) for m, ops in modes.items()}
     cases = {
         "linear 8192x4096x11008": (lambda o: o.linear, (x, w)),
         "rmsnorm 8192x4096": (lambda o: lambda x, w: o.rmsnorm(x, w, 1e-6), (x, nw)),
@@ -76,12 +78,13 @@ def main():
     def fused_swiglu(o):
         if o.precision == "bf16":
             return lambda g, u: o.mul(o.silu(g), u)
-        return lambda g, u: fp8_ops.fp8_swiglu(g, u, o.silu.keywords["config"])
+        return lambda g, u: fp8_ops.fp8_swiglu(g, u, config_of[id(o)])
 
     def attention(o):
         if o.precision == "bf16":
-            return lambda q, k, v: fp8_ops._attend(q, k, v, True)
-        return lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, o.silu.keywords["config"])
+            impl = attention_implementation(q.dtype)
+            return lambda q, k, v: attend(q, k, v, is_causal=True, implementation=impl)
+        return lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, config_of[id(o)])
 
     cases["swiglu 8192x11008"] = (fused_swiglu, (g, u))
     cases["attention 4x2048x32x128"] = (attention, (q, q, q))

@@ -26,7 +26,8 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from coat_jax import fp8_ops, fp8_rowwise  # noqa: E402
+from coat_jax import fp8_ops  # noqa: E402
+from coat_jax.fp8 import config as fp8_config  # noqa: E402
 
 FP8_TYPES = ("f8e4m3fn", "f8e5m2")
 
@@ -96,7 +97,7 @@ def main(argv=None) -> None:
     p.add_argument("--ffn", type=int, default=11008)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    for scaling in fp8_rowwise.LINEAR_SCALINGS:
+    for scaling in fp8_config.LINEAR_SCALINGS:
         hlo = compiled_hlo(scaling, args.tokens, args.hidden, args.ffn)
         with gzip.open(os.path.join(args.out, f"hlo_{scaling}.txt.gz"), "wt") as f:
             f.write(hlo)

@@ -1,4 +1,10 @@
-"""Attention with its softmax statistics, and its backward from a given output.
+"""Attention: the one implementation every attention of coat-jax runs.
+
+:func:`attend` is ``jax.nn.dot_product_attention`` on the kernel
+:func:`attention_implementation` picks: the model's attention, FP8 attention's forward and its
+re-run in backward, and decoding with a KV cache (which passes a mask) all run it.
+:func:`forward` and :func:`backward` are attention with its softmax statistics, and its
+backward from a given output.
 
 A flash attention's backward needs, besides q, k, v and the output gradient, the forward's
 output ``O`` (for ``D = rowsum(dO * O)``) and the log-sum-exp of each query row's logits. JAX's
@@ -6,7 +12,7 @@ own attention keeps both in BF16; :func:`coat_jax.fp8_ops.fp8_attention_linear` 
 the output as the FP8 codes its ``o_proj`` GEMM reads anyway, plus the float32 log-sum-exp
 (``B * N * T * 4`` bytes), and calls :func:`backward` with the dequantized output.
 
-Two implementations, picked like :func:`coat_jax.fp8_ops.attention_implementation`:
+Two implementations of those, picked by :func:`attention_implementation`:
 
 - ``"cudnn"``: cuDNN's fused flash attention, forward with its statistics and backward from
   given statistics and output. JAX has no public entry point for the second, so this goes
@@ -96,6 +102,32 @@ def _cudnn_module():
 def cudnn_available() -> bool:
     """Whether this JAX exposes the cuDNN attention rules :func:`backward` calls."""
     return _cudnn_module() is not None
+
+
+def attention_implementation(dtype, choice: str = "auto") -> str:
+    """``jax.nn.dot_product_attention``'s ``implementation`` for
+    :attr:`coat_jax.fp8_ops.FP8Config.attention`: ``"auto"`` is cuDNN's fused attention on the
+    GPU in BF16 and XLA's elsewhere; ``"cudnn"`` without a GPU raises (JAX itself fails later
+    there, with a message that depends on its version)."""
+    if choice == "cudnn" and jax.default_backend() != "gpu":
+        raise RuntimeError(
+            f"attention='cudnn' runs cuDNN's fused attention, which needs a CUDA GPU, and this "
+            f"process's backend is {jax.default_backend()!r}: use attention='auto' (cuDNN on a "
+            "GPU, XLA's attention elsewhere) or 'xla'"
+        )
+    if choice != "auto":
+        return choice
+    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
+
+
+def attend(q, k, v, *, is_causal: bool, implementation: str, mask=None):
+    """``jax.nn.dot_product_attention`` of q ``[B, T, N, H]`` and k, v ``[B, S, K, H]`` (GQA),
+    scale ``1/sqrt(H)``, on ``implementation`` (``"cudnn"`` or ``"xla"``, as
+    :func:`attention_implementation` resolves it); ``mask`` (boolean, broadcast to ``[B, N, T,
+    S]``): which keys each query may attend to, besides the causal mask."""
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=is_causal, implementation=implementation
+    )
 
 
 def forward(q, k, v, is_causal: bool, implementation: str):

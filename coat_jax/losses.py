@@ -2,26 +2,21 @@
 
 ``optax.softmax_cross_entropy_with_integer_labels(einsum("btd,dv->btv", h, w))`` keeps the
 float32 logits (or the softmax) for backward, and its backward builds a float32 gradient of the
-same size: ``B * T * V * 4`` bytes each, 1.05 GB per 2048-token sequence at Llama-3's
-vocabulary of 128256 (513 KB per token, 63 times the token's 8 KB bf16 hidden state).
-:func:`cross_entropy_from_hidden` takes the hidden states and the head's weight instead and
-works on blocks of ``chunk_size`` sequence positions by ``vocab_chunk_size`` vocabulary columns:
-the forward pass keeps an online logsumexp per token, backward keeps only that (4 bytes per token)
-and recomputes each block's logits.
+same size: ``B * T * V * 4`` bytes each, many times the token's BF16 hidden state at a large
+vocabulary. :func:`cross_entropy_from_hidden` takes the hidden states and the head's weight
+instead and works on blocks of ``chunk_size`` sequence positions by ``vocab_chunk_size``
+vocabulary columns: the forward pass keeps an online logsumexp per token, backward keeps only
+that (4 bytes per token) and recomputes each block's logits.
 
-Measured with XLA's ``compiled.memory_analysis()`` on the CPU, value-and-grad temporaries at
-B*T = 2048 tokens, V = 32000, D = 64 (full float32 logits: 262 MB), bf16 hidden states, chunks
-of 128: plain loss 533 MB, ``jax.checkpoint`` over a ``lax.map`` of token chunks 49.7 MB, this
-custom_vjp 15.4 MB. At Llama-3-8B's head (D = 4096, V = 128256, float32 weight, one 2048-token
-sequence) plain 3.95 GiB, checkpointed map 4.44 GiB, this 0.61 GiB; at 8 sequences 17.9 / 8.2 /
-1.07 GiB (docs/memory_options.md). At D = 4096 weight-sized buffers, not the logits, dominate
-what remains: the checkpointed map's autodiff backward keeps them and ends above the plain loss at
-one sequence. The hand-written backward runs vocabulary blocks outside and token chunks inside,
-so each block of the weight gradient is summed in float32 as a ``[D, vocab_chunk_size]`` buffer
-and written once, and the weight is cast and transposed block by block, never whole (XLA's CPU
-backend, which upcasts bf16 matmul operands, still makes a float32 copy of a bf16 weight).
-Backward costs one extra
-``[B*T, D] x [D, V]`` matmul (the recomputed logits), as remat would.
+Against the plain loss and a ``jax.checkpoint`` over a ``lax.map`` of token chunks, it keeps the
+least (XLA's ``compiled.memory_analysis()``; docs/memory_options.md, 'Chunked cross-entropy').
+At a large hidden size weight-sized buffers, not the logits, dominate what remains: the
+checkpointed map's autodiff backward keeps them and can end above the plain loss. The
+hand-written backward runs vocabulary blocks outside and token chunks inside, so each block of
+the weight gradient is summed in float32 as a ``[D, vocab_chunk_size]`` buffer and written once,
+and the weight is cast and transposed block by block, never whole (XLA's CPU backend, which
+upcasts bf16 matmul operands, still makes a float32 copy of a bf16 weight). Backward costs one
+extra ``[B*T, D] x [D, V]`` matmul (the recomputed logits), as remat would.
 """
 
 from __future__ import annotations

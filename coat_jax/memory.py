@@ -2,7 +2,7 @@
 
 ``jax.vjp(fn, *args)`` returns a pullback whose array leaves are exactly the residuals the
 backward pass will read. Traced under ``jax.eval_shape`` / ``jax.make_jaxpr`` nothing is computed,
-so a Llama-7B layer can be measured on a laptop CPU.
+so a full-size Llama layer can be measured on a CPU.
 
 A residual counts as an *activation* when it depends on an activation argument (by default every
 argument; name parameter arguments in ``param_argnums``). Residuals that depend only on

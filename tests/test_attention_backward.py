@@ -167,11 +167,12 @@ def test_backward_runs_no_attention_forward(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the backward ran an attention forward")
 
-    # Every way to an attention forward: the op's own, the re-running pair's, jax.nn's.
+    # Every way to an attention forward: the op's own, the re-running pair's (coat_jax's one
+    # attention, attention.attend), jax.nn's.
     for module, name in (
         (attention, "forward"),
         (attention, "forward_reference"),
-        (fp8_ops, "_attend"),
+        (attention, "attend"),
         (jax.nn, "dot_product_attention"),
     ):
         monkeypatch.setattr(module, name, refuse)

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.extend import core as jex_core
 
 from coat_jax import fp8_ops
+from coat_jax.fp8 import linear as fp8_linear_module
 from coat_jax.fp8_ops import FP8Config, fp8_dot_general, ops_for
 from coat_jax.memory import activation_bytes, activation_bytes_by_dtype, residuals
 
@@ -791,15 +792,32 @@ def test_fp8_weight_residual_quantizes_each_weight_once():
     assert counts == {"master": 2 * len(ws), "fp8": len(ws), "once": len(ws)}, counts
 
 
+def test_op_sets_carry_their_ops_names_and_docstrings():
+    # help(ops_for("coat").linear) shows fp8_linear's docstring, not a functools.partial's.
+    ops = ops_for("coat", FP8Config(swiglu="fused"))
+    for name, op in (
+        ("linear", fp8_ops.fp8_linear),
+        ("rmsnorm", fp8_ops.fp8_rmsnorm),
+        ("silu", fp8_ops.fp8_silu),
+        ("mul", fp8_ops.fp8_mul),
+        ("swiglu", fp8_ops.fp8_swiglu),
+    ):
+        bound = getattr(ops, name)
+        assert bound.__name__ == op.__name__ and bound.__doc__ == op.__doc__, name
+        assert "FP8" in bound.__doc__, name
+
+
 def test_weight_quantizer_is_the_weight_path():
     # fp8_linear quantizes weights with _per_tensor(..., weight=True); on one device (no kernel
     # mesh) it is the same quantizer as the activations' (bit for bit).
     w = 0.05 * jax.random.normal(jax.random.key(22), (64, 96))
     for config in (XLA, PALLAS_INTERPRET):
-        quantize = jax.jit(fp8_ops._per_tensor, static_argnums=(1, 2), static_argnames="weight")
+        quantize = jax.jit(
+            fp8_linear_module._per_tensor, static_argnums=(1, 2), static_argnames="weight"
+        )
         _assert_identical(quantize(w, "e4m3", config, weight=True), quantize(w, "e4m3", config))
     calls = []
-    original = fp8_ops._per_tensor
+    original = fp8_linear_module._per_tensor
 
     def spy(x, fmt, config, *, weight=False):
         calls.append((x.shape, weight))
@@ -807,7 +825,7 @@ def test_weight_quantizer_is_the_weight_path():
 
     ws, x = _block_args()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fp8_ops, "_per_tensor", spy)
+        mp.setattr(fp8_linear_module, "_per_tensor", spy)
         for option in WEIGHT_OPTIONS:
             config = FP8Config(implementation="xla", weight_residual=option)
             loss = lambda ws, x, c=config: jnp.sum(_two_linears(c)(ws, x).astype(jnp.float32))
@@ -820,6 +838,7 @@ FSDP_SNIPPET = r"""
 import re
 import jax, jax.numpy as jnp, numpy as np
 from coat_jax import fp8_ops
+from coat_jax.fp8 import linear as fp8_linear_module
 from coat_jax.fp8_ops import FP8Config
 from coat_jax.training import sharding
 from pallas_kernels.sharding import KernelMesh
@@ -862,8 +881,8 @@ for a, b in zip(results["master"], results["fp8"]):
 
 # The check can fail: quantizing the weight by the activation rule (rows over the batch axes)
 # re-lays the float32 weight out first.
-original = fp8_ops._per_tensor
-fp8_ops._per_tensor = lambda x, fmt, config, weight=False: original(x, fmt, config)
+original = fp8_linear_module._per_tensor
+fp8_linear_module._per_tensor = lambda x, fmt, config, weight=False: original(x, fmt, config)
 hlo = step(FP8Config(mesh=kmesh, **pallas)).lower(xs, ws).compile().as_text()
 assert relayouts(hlo), "the activation rule re-laid out no float32 weight"
 print("ok")

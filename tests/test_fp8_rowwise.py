@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coat_jax import fp8_ops, fp8_rowwise
+from coat_jax import fp8_ops
+from coat_jax.fp8 import rowwise as fp8_rowwise
+from coat_jax.fp8.rowwise import fp8_rowwise_linear, quantize_along
 from coat_jax.fp8_ops import FP8Config, ops_for
-from coat_jax.fp8_rowwise import fp8_rowwise_linear, quantize_along
 from coat_jax.memory import residuals
 from coat_jax.training import load_config
 from coat_jax.training.loop import build_program, train

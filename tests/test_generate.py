@@ -11,12 +11,21 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import coat_jax
+from coat_jax.fp8_ops import ops_for
 from coat_jax.generate import PROMPT_BUCKET, generate, generate_ids
-from coat_jax.llama import Llama, LlamaConfig, stack_layers
+from coat_jax.llama import (
+    KVCache,
+    Llama,
+    LlamaConfig,
+    causal_attention,
+    rope_inv_freq,
+    stack_layers,
+)
 from tests.test_gguf import smollm_gguf  # noqa: F401  (a fixture)
 
 TINY = LlamaConfig(
@@ -65,6 +74,26 @@ def test_cached_greedy_decode_equals_full_forwards(tiny_model):
     params = nnx.to_pure_dict(nnx.state(tiny_model, nnx.Param))
     for tree in (params, stack_layers(params)):
         assert generate_ids(tree, PROMPTS, 10, config=TINY, dtype=jnp.float32) == got
+
+
+def test_a_layer_with_a_cache_equals_the_layer_without(tiny_model):
+    # Decoding runs the model's own decoder layer: a prompt written into an empty cache under
+    # the causal mask gives the layer's plain output, and the cache holds its keys and values.
+    b, t, s = 2, 5, 8
+    x_BTD = jax.random.normal(jax.random.key(0), (b, t, TINY.hidden_size))
+    positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
+    inv_freq = rope_inv_freq(TINY)
+    ops = ops_for("bf16")
+    layer = nnx.merge(*nnx.split(tiny_model.layers[0]))
+    empty = jnp.zeros((b, s, TINY.num_key_value_heads, TINY.head_dim))
+    mask_B1TS = (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])[None, None]
+    cache = KVCache(empty, empty, 0, jnp.broadcast_to(mask_B1TS, (b, 1, t, s)))
+    cached, cache = layer(x_BTD, positions_BT, inv_freq, ops, cache=cache)
+    plain = layer(x_BTD, positions_BT, inv_freq, ops._replace(attention=causal_attention))
+    np.testing.assert_allclose(cached, plain, rtol=1e-5, atol=1e-5)
+    assert bool(jnp.any(cache.k[:, :t] != 0)) and bool(jnp.all(cache.k[:, t:] == 0))
+    with pytest.raises(ValueError, match="plain attention over the cache"):
+        layer(x_BTD, positions_BT, inv_freq, tiny_model.ops(), cache=cache)
 
 
 def test_eos_stops_a_row_and_sampling_settings(tiny_model):

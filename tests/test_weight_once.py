@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coat_jax import fp8_ops, llama
+from coat_jax import llama
+from coat_jax.fp8 import linear as fp8_linear_module
 from coat_jax.fp8_ops import FP8Config, FP8Weight, fp8_linear, prequantized, quantize_weight
 from coat_jax.memory import residuals
 from tests import test_scan_remat
@@ -74,7 +75,7 @@ def test_fp8_weight_gives_the_master_modes_results_bit_for_bit(config):
 
 def test_fp8_weight_quantizes_no_weight_inside_the_linear():
     calls = []
-    original = fp8_ops._per_tensor
+    original = fp8_linear_module._per_tensor
 
     def spy(x, fmt, config, *, weight=False):
         calls.append(weight)
@@ -83,7 +84,7 @@ def test_fp8_weight_quantizes_no_weight_inside_the_linear():
     x = jnp.ones((4, 64), jnp.bfloat16)
     w = prequantized(0.02 * jnp.ones((64, 32)), XLA)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fp8_ops, "_per_tensor", spy)
+        mp.setattr(fp8_linear_module, "_per_tensor", spy)
         jax.make_jaxpr(jax.grad(lambda m: jnp.sum(fp8_linear(x, FP8Weight(m, w.quantized), XLA))))(
             w.master
         )

@@ -11,9 +11,9 @@ loop are one jitted program per (batch, padded prompt length, max_new_tokens): t
 settings are traced values, so changing them does not recompile, and prompt lengths are padded
 up to a multiple of `PROMPT_BUCKET` so that nearby lengths share a compile.
 
-The cached forward is llama.py's math (the same RMSNorm, RoPE via `rope_inv_freq` and
-`apply_rope`, grouped-query attention, SwiGLU MLP and LM head, in the model's compute dtype),
-with the plain ops of `coat_jax.fp8_ops.ops_for("bf16")`. For the "fp8" and "coat" precisions
+The cached forward is the model's own: its embedding, its decoder layers (each given a
+`coat_jax.llama.KVCache`), its final norm and LM head, in the model's compute dtype, with the
+plain ops of `coat_jax.fp8_ops.ops_for("bf16")`. For the "fp8" and "coat" precisions
 decoding therefore does not quantize: it runs the same weights in plain BF16 (or float32)
 arithmetic. FP8 matters for training memory; for sampling the plain math is the reference.
 
@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from coat_jax.fp8_ops import ops_for
-from coat_jax.llama import Llama, LlamaConfig, apply_rope, rope_inv_freq, stack_layers
+from coat_jax.llama import KVCache, Llama, LlamaConfig, rope_inv_freq, stack_layers
 from coat_jax.tokenizer import ByteTokenizer
 
 # Prompt lengths are left-padded up to a multiple of this, so nearby lengths share a compile.
@@ -49,17 +49,17 @@ _OPS = ops_for("bf16")
 # ----------------------------------------------------------------------------- the cached model
 
 
-def _forward(weights, config: LlamaConfig, dtype, ids_BT, positions_BT, cache, start, pads_B):
-    """Runs T new tokens (cache columns ``start..start+T-1``) through the model.
+def _forward(model, ids_BT, positions_BT, cache, start, pads_B):
+    """Runs T new tokens (cache columns ``start..start+T-1``) through ``model`` (a scanned
+    `Llama`), its decoder layers reading and writing the KV cache.
 
     Returns the float32 logits of the last column [B, V] and the updated cache. ``cache`` is
     ``(k, v)``, each [layers, B, S, kv_heads, head_dim]; a row's first ``pads_B`` columns are
     padding that no query attends to.
     """
-    ops, eps = _OPS, config.rms_norm_eps
-    b, t = ids_BT.shape
-    n, k, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    inv_freq = rope_inv_freq(config)
+    ops = _OPS
+    t = ids_BT.shape[1]
+    inv_freq = rope_inv_freq(model.config)
     s = cache[0].shape[2]
     cols_T = start + jnp.arange(t)
     keys_S = jnp.arange(s)
@@ -67,37 +67,32 @@ def _forward(weights, config: LlamaConfig, dtype, ids_BT, positions_BT, cache, s
         keys_S[None, None, :] >= pads_B[:, None, None]
     )
     mask_B1TS = mask_B1TS[:, None]
-    x_BTD = jnp.take(weights["embed_tokens"], ids_BT, axis=0).astype(dtype)
+    graphdef, stacked = nnx.split(model.layers)
 
-    def layer(carry, w):
+    def layer(carry, layer_state):
         x_BTD, k_cache, v_cache, i = carry
-        attn = w["self_attn"]
-        h_BTD = ops.rmsnorm(x_BTD, w["input_layernorm"]["weight"], eps)
-        q, kk, v = ops.linear(h_BTD, (attn["q_proj"], attn["k_proj"], attn["v_proj"]))
-        q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
-        k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
-        v_BTKH = v.reshape(b, t, k, hd)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k_BTKH[None], (i, 0, start, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v_BTKH[None], (i, 0, start, 0, 0))
-        out_BTNH = jax.nn.dot_product_attention(
-            q_BTNH, k_cache[i], v_cache[i], mask=mask_B1TS, implementation="xla"
-        )
-        x_BTD = ops.add(x_BTD, ops.linear(out_BTNH.reshape(b, t, n * hd), attn["o_proj"]))
-        h_BTD = ops.rmsnorm(x_BTD, w["post_attention_layernorm"]["weight"], eps)
-        mlp = w["mlp"]
-        gate_BTF, up_BTF = ops.linear(h_BTD, (mlp["gate_proj"], mlp["up_proj"]))
-        x_BTD = ops.add(x_BTD, ops.linear(ops.silu_mul(gate_BTF, up_BTF), mlp["down_proj"]))
+        kv = KVCache(k_cache[i], v_cache[i], start, mask_B1TS)
+        x_BTD, kv = nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, inv_freq, ops, cache=kv)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, kv.k[None], (i, 0, 0, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, kv.v[None], (i, 0, 0, 0, 0))
         return (x_BTD, k_cache, v_cache, i + 1), None
 
     (x_BTD, k_cache, v_cache, _), _ = jax.lax.scan(
-        layer, (x_BTD, *cache, jnp.int32(0)), weights["layers"]
+        layer, (model.embed(ids_BT), *cache, jnp.int32(0)), stacked
     )
-    x_BD = ops.rmsnorm(x_BTD[:, -1], weights["norm"]["weight"], eps)
-    w_DV = weights["embed_tokens"].T if config.tie_word_embeddings else weights["lm_head"]
+    x_BD = model.norm(x_BTD[:, -1], ops)
     logits_BV = jnp.einsum(
-        "bd,dv->bv", x_BD, w_DV.astype(dtype), preferred_element_type=jnp.float32
+        "bd,dv->bv", x_BD, model.output_weight(), preferred_element_type=jnp.float32
     )
     return logits_BV, (k_cache, v_cache)
+
+
+def _decoding_model(params, config: LlamaConfig, dtype) -> Llama:
+    """A scanned `Llama` of compute ``dtype`` holding ``params`` (either layout)."""
+    model = nnx.eval_shape(lambda: Llama(config, dtype=dtype, scan_layers=True))
+    graphdef, state = nnx.split(model)
+    nnx.replace_by_pure_dict(state, stack_layers(params))
+    return nnx.merge(graphdef, state)
 
 
 def _sample(logits_BV, key, temperature, top_k, top_p):
@@ -126,13 +121,13 @@ def _sample(logits_BV, key, temperature, top_k, top_p):
 def _generate(
     params, ids_BP, pads_B, eos, temperature, top_k, top_p, key, *, config, dtype, max_new_tokens
 ):
-    weights = stack_layers(params)
+    model = _decoding_model(params, config, dtype)
     b, p = ids_BP.shape
     shape = (config.num_hidden_layers, b, p + max_new_tokens)
     shape += (config.num_key_value_heads, config.head_dim)
     cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     positions_BP = jnp.maximum(jnp.arange(p)[None, :] - pads_B[:, None], 0)
-    logits_BV, cache = _forward(weights, config, dtype, ids_BP, positions_BP, cache, 0, pads_B)
+    logits_BV, cache = _forward(model, ids_BP, positions_BP, cache, 0, pads_B)
     token_B = _sample(logits_BV, jax.random.fold_in(key, 0), temperature, top_k, top_p)
     out_BN = jnp.full((b, max_new_tokens), eos, jnp.int32).at[:, 0].set(token_B)
 
@@ -144,9 +139,7 @@ def _generate(
         i, token_B, done_B, out_BN, cache = state
         col = p + i - 1  # the column of the token fed in now
         positions_B1 = (col - pads_B)[:, None]
-        logits_BV, cache = _forward(
-            weights, config, dtype, token_B[:, None], positions_B1, cache, col, pads_B
-        )
+        logits_BV, cache = _forward(model, token_B[:, None], positions_B1, cache, col, pads_B)
         token_B = _sample(logits_BV, jax.random.fold_in(key, i), temperature, top_k, top_p)
         token_B = jnp.where(done_B, eos, token_B)
         out_BN = jax.lax.dynamic_update_slice(out_BN, token_B[:, None], (0, i))

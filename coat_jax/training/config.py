@@ -100,7 +100,7 @@ class TrainConfig:
       (``FP8Config.linear_scaling``; precision ``fp8`` or ``coat``, with
       ``fp8_weight_residual: master``): ``tensor`` (default, COAT: one scale per tensor),
       ``row`` (one per token and per output channel, FP8 backward GEMMs) or ``row_gw_hp`` (the
-      same, the weight gradient in BF16); ``coat_jax.fp8_rowwise``.
+      same, the weight gradient in BF16); ``coat_jax.fp8.rowwise``.
     - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
       and their gradients; the optimizer still computes in float32 and each update is applied
       with stochastic rounding (``coat_jax.master``). An option, not a default: see

@@ -47,23 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import quant
-
-# What FP8Config.linear_scaling selects: "tensor" is coat_jax.fp8_ops.fp8_linear (one scale per
-# tensor); the others this module's op, differing in the weight gradient's GEMM.
-LINEAR_SCALINGS = ("tensor", "row", "row_gw_hp")
-# The ``checkpoint_name`` of kept activations: the name ``coat_jax.fp8_ops.ACTIVATION`` holds
-# (this module sits below fp8_ops, which dispatches to it; tests check the two agree).
-ACTIVATION = "activation"
-
-
-def check_linear_scaling(linear_scaling: str) -> str:
-    if linear_scaling not in LINEAR_SCALINGS:
-        raise ValueError(
-            f"linear_scaling={linear_scaling!r} is not one of {list(LINEAR_SCALINGS)}: 'tensor' "
-            "scales each linear's operands per tensor, 'row' per token and output channel with "
-            "FP8 backward GEMMs, 'row_gw_hp' the same with the weight gradient in BF16"
-        )
-    return linear_scaling
+from coat_jax.fp8.residuals import ACTIVATION
 
 
 def quantize_along(x: jax.Array, axis: int, fmt: str, config) -> tuple[jax.Array, jax.Array]:
@@ -119,7 +103,6 @@ def _as_weights(w) -> tuple:
 
 
 def _check(x, w, config):
-    check_linear_scaling(config.linear_scaling)
     if config.linear_scaling == "tensor":
         raise ValueError(
             "fp8_rowwise_linear runs linear_scaling='row' or 'row_gw_hp'; for 'tensor' call "

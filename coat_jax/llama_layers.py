@@ -1,0 +1,215 @@
+"""The layers of the Llama decoder in Flax NNX: RoPE, the model's attention, RMSNorm, the
+attention and MLP blocks, and the decoder layer.
+
+Every linear, RMSNorm, SiLU, product and residual add goes through the ``ops``
+(:class:`~coat_jax.fp8_ops.OpSet`) a layer is called with, so the precision mode swaps the op
+implementations and nothing else. Weights are stored ``[in, out]``; q/k/v and gate/up are
+separate parameters, and each group goes through ONE ``ops.linear`` call with a tuple of
+weights, which quantizes (and saves) the shared input once, without a concatenated weight copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from coat_jax import attention
+from coat_jax.fp8_ops import FP8Weight
+from coat_jax.llama_config import LlamaConfig
+
+# checkpoint_name of what attention keeps for backward (cuDNN: q, k, v, output, log-sum-exp;
+# elsewhere q, k, v, with the attention recomputed).
+ATTENTION = "attention"
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates halves (HF's `rotate_half` layout); angles in float32, product in x's dtype."""
+    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
+    cos = jnp.cos(angles_BTH)[:, :, None, :].astype(x_BTNH.dtype)
+    sin = jnp.sin(angles_BTH)[:, :, None, :].astype(x_BTNH.dtype)
+    x1, x2 = jnp.split(x_BTNH, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BTNH * cos + rotated * sin
+
+
+def _model_attention(dtype, implementation: str):
+    """Causal :func:`coat_jax.attention.attend` on the kernel ``implementation`` resolves to;
+    XLA's under ``jax.checkpoint``, since it would keep the [B, N, T, T] probabilities."""
+    impl = attention.attention_implementation(dtype, implementation)
+    attend_fn = functools.partial(attention.attend, is_causal=True, implementation=impl)
+    return jax.checkpoint(attend_fn) if impl == "xla" else attend_fn
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def causal_attention(q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto") -> jax.Array:
+    """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
+
+    On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
+    XLA's version would keep the [B, N, T, T] probabilities, so there it is rematerialized
+    (`jax.checkpoint` keeps the inputs only; docs/design.md, 'The precision flow'). Whatever the
+    implementation keeps is tagged `ATTENTION` for the remat policies: the forward is
+    `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
+    ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`.
+    """
+    return _model_attention(q_BTNH.dtype, implementation)(q_BTNH, k_BTKH, v_BTKH)
+
+
+def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto"):
+    attend_fn = _model_attention(q_BTNH.dtype, implementation)
+    out, pullback = jax.vjp(attend_fn, q_BTNH, k_BTKH, v_BTKH)
+    return out, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION), pullback)
+
+
+def _causal_attention_bwd(implementation, pullback, dout):
+    return pullback(dout)
+
+
+causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
+class KVCache(NamedTuple):
+    """One decoder layer's keys and values for decoding with a cache (``coat_jax.generate``).
+
+    Attributes:
+      k, v: ``[B, S, K, H]``, S the cache's length; columns ``start..start+T-1`` take the T
+        new tokens' keys and values.
+      start: the column of the first new token (a scalar int).
+      mask: boolean ``[B, 1, T, S]``: the columns each new query attends to (the causal order
+        and each row's padding).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array
+    mask: jax.Array
+
+    def attend(self, q_BTNH, k_BTKH, v_BTKH, ops) -> tuple[jax.Array, KVCache]:
+        """``(out_BTNH, cache)``: the new keys and values written in, then attention of the new
+        queries over the cache under :attr:`mask`, in the compute dtype on XLA's kernel."""
+        if ops.attention is not None or ops.attention_linear is not None:
+            raise ValueError(
+                "decoding with a KVCache runs the plain attention over the cache; call the layer "
+                "with an op set whose attention is None, e.g. coat_jax.fp8_ops.ops_for('bf16')"
+            )
+        k = jax.lax.dynamic_update_slice(self.k, k_BTKH, (0, self.start, 0, 0))
+        v = jax.lax.dynamic_update_slice(self.v, v_BTKH, (0, self.start, 0, 0))
+        out_BTNH = attention.attend(
+            q_BTNH, k, v, is_causal=False, implementation="xla", mask=self.mask
+        )
+        return out_BTNH, self._replace(k=k, v=v)
+
+
+def normal_param(rngs: nnx.Rngs, shape, param_dtype, std: float) -> nnx.Param:
+    """A parameter drawn from N(0, std^2) (HF's ``initializer_range``)."""
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, param_dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x, ops):
+        return ops.rmsnorm(x, self.weight[...], self.eps)
+
+
+# The linear weights of a decoder layer by sub-module: what ``FP8Config(weight_residual="once")``
+# quantizes once per step, before the layers run (``Llama.weight_codes``).
+LINEAR_WEIGHTS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _linear_weights(module, names: tuple[str, ...], codes) -> tuple | jax.Array:
+    """The master weights ``names`` of ``module`` for one ``ops.linear`` call (one weight, or a
+    tuple sharing the input), each paired with its FP8 codes (:class:`FP8Weight`) when ``codes``
+    (a dict by name, or ``None``) holds them."""
+    ws = tuple(
+        getattr(module, n)[...] if codes is None else FP8Weight(getattr(module, n)[...], codes[n])
+        for n in names
+    )
+    return ws[0] if len(ws) == 1 else ws
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
+        d, hd = config.hidden_size, config.head_dim
+        n, k = config.num_attention_heads, config.num_key_value_heads
+        std = 0.02
+        self.q_proj = normal_param(rngs, (d, n * hd), param_dtype, std)
+        self.k_proj = normal_param(rngs, (d, k * hd), param_dtype, std)
+        self.v_proj = normal_param(rngs, (d, k * hd), param_dtype, std)
+        self.o_proj = normal_param(rngs, (n * hd, d), param_dtype, std)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, hd
+
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
+        """The attention block's output [B, T, D]; with a :class:`KVCache` ``cache``, ``(out,
+        cache)``: the new tokens' keys and values written into it at ``cache.start``, and
+        attention over the cache under ``cache.mask`` (decoding)."""
+        n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # One linear call for q, k and v: the shared input is quantized and saved once, and the
+        # weights stay separate (no concatenated copy lives until backward).
+        q, kk, v = ops.linear(x_BTD, _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes))
+        b, t = x_BTD.shape[:2]
+        q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
+        k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
+        v_BTKH = v.reshape(b, t, k, hd)
+        o_proj = _linear_weights(self, ("o_proj",), codes)
+        if cache is not None:
+            out_BTNH, cache = cache.attend(q_BTNH, k_BTKH, v_BTKH, ops)
+            return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj), cache
+        if ops.attention_linear is not None:
+            return ops.attention_linear(q_BTNH, k_BTKH, v_BTKH, o_proj)
+        out_BTNH = (ops.attention or causal_attention)(q_BTNH, k_BTKH, v_BTKH)
+        return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj)
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = normal_param(rngs, (d, f), param_dtype, 0.02)
+        self.up_proj = normal_param(rngs, (d, f), param_dtype, 0.02)
+        self.down_proj = normal_param(rngs, (f, d), param_dtype, 0.02)
+
+    def __call__(self, x_BTD, ops, codes=None):
+        gate_BTF, up_BTF = ops.linear(x_BTD, _linear_weights(self, ("gate_proj", "up_proj"), codes))
+        down = _linear_weights(self, ("down_proj",), codes)
+        return ops.linear(ops.silu_mul(gate_BTF, up_BTF), down)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
+        self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
+        self.mlp = MLP(config, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
+        """One layer; ``codes``: this step's FP8 codes of its linear weights, by sub-module and
+        name as :data:`LINEAR_WEIGHTS` (``Llama.weight_codes``), or ``None``. With a
+        :class:`KVCache` ``cache`` (decoding), ``(x_BTD, cache)``: the layer's output and its
+        cache with the new tokens' keys and values."""
+        codes = codes or {}
+        h = self.self_attn(
+            self.input_layernorm(x_BTD, ops),
+            positions_BT,
+            inv_freq,
+            ops,
+            codes.get("self_attn"),
+            cache,
+        )
+        if cache is not None:
+            h, cache = h
+        x_BTD = ops.add(x_BTD, h)
+        mlp = self.mlp(self.post_attention_layernorm(x_BTD, ops), ops, codes.get("mlp"))
+        x_BTD = ops.add(x_BTD, mlp)
+        return x_BTD if cache is None else (x_BTD, cache)
