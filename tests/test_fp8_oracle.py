@@ -300,7 +300,7 @@ def _args(op: Op, case: int, seed: int, dtype):
 
 
 def run_op(name, impl, case, seed, dtype):
-    """``(library forward, library gradients, dy)`` of one case."""
+    """``(inputs, library forward, library gradients, cotangent dy)`` of one case."""
     op = OPS[name]
     args = _args(op, case, seed, dtype)
     y, pullback = jax.vjp(lambda *a: op.run(a, CONFIGS[impl]), *args)
@@ -314,14 +314,23 @@ def metrics(name, impl, case, seed, dtype):
     op = OPS[name]
     args, y, grads, dy = run_op(name, impl, case, seed, dtype)
     y_exact, g_exact = op.exact(args, dy)
-    out = {"y": (None, rel_err(y, y_exact), slope(y, y_exact))}
-    emulated = op.emulated(args, dy) if dtype == jnp.float32 else None
-    for i, (g, want) in enumerate(zip(grads, g_exact, strict=True)):
-        assert g.dtype == args[i].dtype and g.shape == args[i].shape
-        emu = None if emulated is None else rel_err(g, emulated[1][i])
-        out[f"d{i}"] = (emu, rel_err(g, want), slope(g, want))
-    if emulated is not None:
-        out["y"] = (rel_err(y, emulated[0]), *out["y"][1:])
+    # The emulated oracle is float32 rounding away only on float32 inputs.
+    y_emu, g_emu = op.emulated(args, dy) if dtype == jnp.float32 else (None, [None] * len(args))
+    out = {}
+    for key, got, exact, emu in zip(
+        ["y"] + [f"d{i}" for i in range(len(args))],
+        [y, *grads],
+        [y_exact, *g_exact],
+        [y_emu, *g_emu],
+        strict=True,
+    ):
+        out[key] = (
+            None if emu is None else rel_err(got, emu),
+            rel_err(got, exact),
+            slope(got, exact),
+        )
+    for a, g in zip(args, grads, strict=True):
+        assert g.dtype == a.dtype and g.shape == a.shape
     return out
 
 
@@ -514,36 +523,51 @@ def _residuals(fn, *args):
     return jax.tree.leaves(pullback)
 
 
-# op -> (call, input shapes, kept FP8 tensors: (shape, scale shape)). Granularity: 1x16 scales
-# [..., D / 16] for the non-linear ops and FP8 attention, one scalar for a linear's input.
+# op -> (call, input shapes, kept FP8 tensors as (shape, scale shape), a master weight among the
+# inputs). Granularity: 1x16 scales [..., D / 16] for the non-linear ops and FP8 attention's
+# q, k, v, one scalar for a linear's input.
 RESIDUALS = {
     "linear": (
         lambda x, w: fp8_linear(x, w, XLA),
         ((8, 64), (64, 48)),
         [((8, 64), ())],
+        True,
     ),
     "rmsnorm": (
         lambda x, w: fp8_rmsnorm(x, w, EPS, XLA),
         ((8, 64), (64,)),
         [((8, 64), (8, 4))],
+        False,
     ),
-    "silu": (lambda x: fp8_silu(x, XLA), ((8, 64),), [((8, 64), (8, 4))]),
-    "mul": (lambda a, b: fp8_mul(a, b, XLA), ((8, 64),) * 2, [((8, 64), (8, 4))] * 2),
-    "swiglu": (lambda a, b: fp8_swiglu(a, b, XLA), ((8, 64),) * 2, [((8, 64), (8, 4))] * 2),
+    "silu": (lambda x: fp8_silu(x, XLA), ((8, 64),), [((8, 64), (8, 4))], False),
+    "mul": (lambda a, b: fp8_mul(a, b, XLA), ((8, 64),) * 2, [((8, 64), (8, 4))] * 2, False),
+    "swiglu": (
+        lambda a, b: fp8_swiglu(a, b, XLA),
+        ((8, 64),) * 2,
+        [((8, 64), (8, 4))] * 2,
+        False,
+    ),
     "attention": (
         lambda q, k, v: fp8_attention(q, k, v, True, XLA),
         ((1, 8, 2, 32),) * 3,
         [((1, 8, 2, 32), (1, 8, 2, 2))] * 3,
+        False,
+    ),
+    "attention_linear": (
+        lambda q, k, v, w: _attention_linear_run((q, k, v, w), XLA),
+        ((1, 8, 2, 32),) * 3 + ((64, 48),),
+        [((1, 8, 2, 32), (1, 8, 2, 2))] * 3 + [((8, 64), ())],
+        True,
     ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(RESIDUALS))
 def test_residuals_are_fp8_of_the_documented_granularity(name):
-    fn, shapes, kept = RESIDUALS[name]
+    fn, shapes, kept, has_weight = RESIDUALS[name]
     args = [jnp.ones(s, jnp.bfloat16) for s in shapes]
-    if name == "linear":
-        args[1] = jnp.ones(shapes[1], jnp.float32)
+    if has_weight:
+        args[-1] = jnp.ones(shapes[-1], jnp.float32)
     leaves = _residuals(fn, *args)
     activation = np.prod(shapes[0])
     codes = [(x.shape, FP8_DTYPES[jnp.dtype(x.dtype)]) for x in leaves if x.dtype in FP8_DTYPES]
@@ -551,11 +575,12 @@ def test_residuals_are_fp8_of_the_documented_granularity(name):
     scales = Counter(x.shape for x in leaves if x.dtype == jnp.float32)
     for scale_shape, count in Counter(s for _, s in kept).items():
         assert scales[scale_shape] >= count, (scales, scale_shape)
-    # Nothing of activation size is kept in a compute dtype (a linear keeps a reference to its
-    # master weight, an input of the step; RMSNorm its weight and one 1/rms per row).
+    # Nothing of activation size is kept in a compute dtype: a linear keeps a reference to its
+    # master weight (an input of the step), RMSNorm its weight and one 1/rms per row, the
+    # attention-linear pair its softmax statistics (one per query row and head).
     for x in leaves:
         if x.dtype not in FP8_DTYPES and x.size >= activation:
-            assert name == "linear" and x.shape == shapes[1], (name, x.shape, x.dtype)
+            assert has_weight and x.shape == shapes[-1], (name, x.shape, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
