@@ -38,7 +38,8 @@ ACT = "pallas_kernels/fp8_act.py"
 QUANT = "pallas_kernels/quant.py"
 FP8_QUANT = "pallas_kernels/fp8_quant.py"
 ADAM = "pallas_kernels/coat_adam.py"
-OPS = "coat_jax/fp8_ops.py"
+LINEAR = "coat_jax/fp8/linear.py"
+FP8_ATTENTION = "coat_jax/fp8/attention.py"
 ATTENTION = "coat_jax/attention.py"
 LOSSES = "coat_jax/losses.py"
 
@@ -77,7 +78,7 @@ FAULTS = (
         "linear output gradient quantized as E4M3 instead of E5M2",
         (
             (
-                OPS,
+                LINEAR,
                 "dy_q = _per_tensor(dyi.reshape(-1, w_q.shape[1]), config.grad_format, config)",
                 "dy_q = _per_tensor(dyi.reshape(-1, w_q.shape[1]), config.act_format, config)",
             ),
@@ -89,7 +90,7 @@ FAULTS = (
         "linear input gradient x1.04",
         (
             (
-                OPS,
+                LINEAR,
                 "dx = dx.astype(compute).reshape(",
                 "dx = (1.04 * dx).astype(compute).reshape(",
             ),
@@ -101,7 +102,7 @@ FAULTS = (
         "linear weight gradient x0.97",
         (
             (
-                OPS,
+                LINEAR,
                 "dw = _fp8_dot(x_q, dy_q, ((0,), (0,)), config, compute, jnp.float32).astype(dtype)",
                 "dw = (0.97 * _fp8_dot(x_q, dy_q, ((0,), (0,)), config, compute, jnp.float32)).astype(dtype)",
             ),
@@ -328,7 +329,7 @@ FAULTS = (
         "FP8 attention keeps q, k, v in E5M2",
         (
             (
-                OPS,
+                FP8_ATTENTION,
                 'fp8_quant.quantize_per_group(t, **config.quantize_kwargs("quantize_per_group"))',
                 'fp8_quant.quantize_per_group(t, **{**config.quantize_kwargs("quantize_per_group"), "fmt": "e5m2"})',
             ),
