@@ -68,7 +68,13 @@ def grads(f, *args):
 
 
 def check_op(fp8_fn, ref_fn, args, *, fwd_rel, fwd_cos):
-    """Forward and every gradient of ``fp8_fn`` against ``ref_fn`` on float32 copies."""
+    """Forward and every gradient of ``fp8_fn`` against ``ref_fn`` on float32 copies.
+
+    A range check across input magnitudes (finite, right dtype, roughly the float32 values),
+    with one bound for every op: it cannot see a formula wrong by a few percent. The bounds at
+    each op's measured FP8 error, the bias checks and the emulated-FP8 comparisons that can
+    are in tests/test_fp8_oracle.py, against the float64 oracle of tests/oracle.py.
+    """
     ref_args = [a.astype(jnp.float32) for a in args]
     y, y_ref = jax.jit(fp8_fn)(*args), ref_fn(*ref_args)
     assert y.dtype == args[0].dtype
