@@ -393,28 +393,6 @@ class KernelConfig:
       tiles: tiles of ``block_rows`` groups each program handles, one after another in a loop
         (with ``num_stages > 1`` Triton may prefetch the next tile's loads under the current
         tile's arithmetic). ``1``: one tile per program, no loop.
-      folded: with ``fast_math``, a form of the arithmetic with fewer instructions per element
-        (docs/notes_optimizer_kernel.md, "v4"). Quantizing stores
-        ``fp8(ex2(k * lg2|x / c| + B))`` with the group's ``B = lg2(fmax) - k *
-        lg2(mx / c)`` (the reference's ``y / s``, since ``s = (mx / c)**k / fmax``);
-        dequantizing computes ``ex2(lg2|q| / k + lg2(s) / k) * c``; multiply-adds are fused
-        (inline PTX ``fma.rn.f32``); the second moment, never negative, skips the sign; the
-        gradient's clip factor and the bias corrections fold into scalars
-        (``m * sqrt(1 - b2**t) / (1 - b1**t) / (sqrt(v) + eps * sqrt(1 - b2**t))``); the
-        non-zero minimum is an unsigned minimum of ``bits - 1`` (the reference's for finite
-        values). Each tile takes the flush-to-zero forms of ``lg2``/``ex2`` unless one of its
-        groups could meet a subnormal value there (then the exact forms; a ``lax.cond`` per
-        tile), and the root in the update flushes only where ``eps * sqrt(1 - b2**t)`` is at
-        least 2**-39. The same values up to float32 rounding of logs kept centred on ``c`` (codes
-        equal but at rounding ties); the statistics are the reference's. With expansion off
-        only the update's arithmetic changes. No effect without ``fast_math``.
-      prefetch: with ``tiles > 1``, software pipelining by hand: the loop issues the next
-        tile's loads (into registers) before the current tile's arithmetic, so that each
-        program keeps loads in flight while it computes (the last iteration's, past the
-        program's last tile, masked off). Same values; more registers per thread (a second
-        tile's inputs), and ptxas still places the loads where it likes
-        (``benchmarks/kernel_sass.py`` reports where). No effect with one tile. Not yet timed
-        on a GPU.
     """
 
     # Best of the settings timed on an H200 (docs/benchmarks.md, docs/notes_optimizer_kernel.md:
@@ -425,10 +403,6 @@ class KernelConfig:
     fast_math: bool = True
     flat_stats: bool = True
     tiles: int = 1
-    # Off: timed on an H200 (docs/notes_optimizer_kernel.md, "v4 on the H200"), as fast as the
-    # default on the stacked 7B tree and slower per layer; the kernel waits on memory.
-    folded: bool = False
-    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps", "tiles"):
@@ -439,7 +413,7 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.num_stages must be a positive int, got {self.num_stages!r}"
             )
-        for name in ("fast_math", "flat_stats", "folded", "prefetch"):
+        for name in ("fast_math", "flat_stats"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {value!r}")
@@ -573,13 +547,6 @@ class _Math:
             return self._asm("ex2.approx.ftz.f32" if ftz else "ex2.approx.f32", x)
         return _flush(jnp.exp2(x)) if ftz else jnp.exp2(x)
 
-    def fma(self, a, b, c):
-        """``a * b + c``; on the GPU one fused multiply-add (Triton's ``mul.rn``/``add.rn`` are
-        never contracted). The operands broadcast to one shape."""
-        if not self.native:
-            return a * b + c
-        return self._asm("fma.rn.f32", a, b, c)
-
     def power(self, a, e, *, ftz_log=False, ftz_exp=False):
         """``a ** e`` for ``a >= 0`` and ``e > 0``; ``lg2(0) = -inf`` and ``ex2(-inf) = 0``."""
         if not self.fast:
@@ -616,45 +583,13 @@ class _Math:
             return x / spread(d)
         return x * spread(self.reciprocal(d, ftz=ftz))
 
-    def adam_direction(self, m_hat, v_hat, eps, *, ftz_sqrt=False):
-        """``m_hat / (sqrt(v_hat) + eps)``; ``ftz_sqrt`` where a subnormal ``v_hat`` may read
-        as 0 (its root, below 1.1e-19, vanishes next to an ``eps`` of at least 2**-39)."""
+    def adam_direction(self, m_hat, v_hat, eps):
+        """``m_hat / (sqrt(v_hat) + eps)``."""
         if not self.native:
             # (No flush here: it could move the quotient by rounding only.)
             return m_hat / (jnp.sqrt(v_hat) + eps)
         # sqrt.approx maps +0 to +0 and rcp.approx.ftz is exact enough for eps-sized values.
-        sqrt = "sqrt.approx.ftz.f32" if ftz_sqrt else "sqrt.approx.f32"
-        return m_hat * self._asm("rcp.approx.ftz.f32", self._asm(sqrt, v_hat) + eps)
-
-
-# The root of a subnormal second moment is below 2**-63; next to an epsilon of at least
-# 2**-63 * 2**24 (1.8e-12) it cannot move the float32 sum, so the root may flush to zero.
-_FLUSHABLE_ROOT_EPS = 2.0**-39
-
-
-def _branch(exact, fast_fn, exact_fn):
-    """``exact_fn()`` where the scalar ``exact`` holds, else ``fast_fn()``: one branch per tile,
-    so that tiles without subnormal values (all of them in practice) run the flush-to-zero
-    forms. Below float32's smallest normal, 2**-126, those lose values; the exact forms cost a
-    compare, a select and a multiply more per element. Both compute the same values wherever
-    no value is subnormal."""
-    return lax.cond(exact, exact_fn, fast_fn)
-
-
-def _ratios_below_normal(least_bits, log_least_ratio):
-    """Whether a tile's ``|x| / c`` may be subnormal (then its lg2 needs the exact form), from
-    each group's smallest non-zero ``|x|`` (its bits, 0 for an all-zero group, which has none)
-    and ``lg2(least / c)``: a log, so that no subnormal float enters the test itself; a margin
-    of 1 covers the approximate logs."""
-    logs = jnp.where(least_bits != 0, log_least_ratio, jnp.inf)
-    return jnp.min(logs) < -125.0
-
-
-def _dequantizes_below_normal(inv_expand, offset, code_dtype):
-    """Whether a tile's powers ``ex2(lg2|q| / k + offset)`` may be subnormal: a group's smallest
-    is its smallest non-zero code's; a margin of 1 in the exponent covers the approximate logs."""
-    smallest = math.log2(float(jnp.finfo(code_dtype).smallest_subnormal))
-    return jnp.min(inv_expand * smallest + offset) < -125.0
+        return m_hat * self._asm("rcp.approx.ftz.f32", self._asm("sqrt.approx.f32", v_hat) + eps)
 
 
 def _copysign(magnitude, x):
@@ -687,35 +622,9 @@ def _column(v, flat: bool):
     return v[:, None] if flat else v
 
 
-def _dequantize(
-    codes, scale, expand, center, math_: _Math, flat: bool = False, folded=False, signed=True
-):
-    """Float32 moment of one tile, as :meth:`QuantizedTensor.dequantize` computes it.
-
-    ``folded`` (``KernelConfig.folded``, fast math only): ``ex2(lg2|q| / k + lg2(s) / k) * c``
-    per element; ``signed=False`` for a moment whose codes are never negative (the sign is then
-    not copied).
-    """
+def _dequantize(codes, scale, expand, center, math_: _Math, flat: bool = False):
+    """Float32 moment of one tile, as :meth:`QuantizedTensor.dequantize` computes it."""
     q = codes.astype(jnp.float32)
-    if expand is not None and folded:
-        inv_expand = math_.reciprocal(_flat(expand, flat))
-        # ex2(lg2|q * s| / k) = |x / c|, whose log stays small where k is large (a narrow
-        # group): the centre multiplies after the power, not inside its exponent.
-        offset = inv_expand * math_.log2(_flat(scale, flat))
-        # |q| >= the smallest code, 2**-16: never subnormal, so lg2 may flush.
-        exponent = math_.fma(
-            _column(inv_expand, flat),
-            math_.log2(jnp.abs(q), ftz=True),
-            _column(offset, flat),
-        )
-        exact = _dequantizes_below_normal(inv_expand, offset, codes.dtype)
-        power = _branch(
-            exact,
-            lambda: math_.exp2(exponent, ftz=True),
-            lambda: math_.exp2(exponent, ftz=False),
-        )
-        power = power * center
-        return _copysign(power, q) if signed else power
     y = q * scale
     if expand is None:
         return y
@@ -724,25 +633,14 @@ def _dequantize(
     return _copysign(math_.power(jnp.abs(y), inv_expand, ftz_log=True), y) * center
 
 
-def _quantize(
-    x,
-    fmt,
-    expansion,
-    expand_min,
-    log2_range,
-    math_: _Math,
-    flat: bool = False,
-    folded=False,
-    signed=True,
-):
+def _quantize(x, fmt, expansion, expand_min, log2_range, math_: _Math, flat: bool = False):
     """Codes and statistics of one tile of groups (one group per row), as the reference does.
 
     The statistics repeat ``quant.dre_statistics`` / ``quant.quantize_absmax`` operation by
     operation up to the exponent k, which a floor makes discontinuous; the centre and scale,
     continuous in their inputs, and the per-element work follow ``math_``. With ``flat`` the
     per-group arithmetic runs on ``[groups]`` vectors (``KernelConfig.flat_stats``): the same
-    operations on the same values. ``folded`` and ``signed``: as in :func:`_dequantize`, the codes
-    as ``ex2(k * lg2|x / c| + lg2(fmax) - k * lg2(mx / c))`` (``y / s`` of the reference).
+    operations on the same values.
     """
     fmax = quant.FP8_MAX[fmt]
     dtype = quant.FORMATS[fmt]
@@ -758,40 +656,14 @@ def _quantize(
         codes = jnp.clip(per_element_divide(x, scale), -fmax, fmax).astype(dtype)
         return codes, (_column(scale, flat),)
     mx = _flat(jnp.max(a, axis=1, keepdims=True), flat) + quant.DRE_TINY
-    if folded:
-        # The smallest non-zero |x| in two integer operations per element: non-negative floats
-        # order as their bits, and ``bits - 1`` wraps 0 to the largest unsigned value. An
-        # all-zero group gives 0, as the reference's fallback does (finite groups: the same).
-        bits = lax.bitcast_convert_type(a, jnp.uint32) - jnp.uint32(1)
-        least_bits = _flat(jnp.min(bits, axis=1, keepdims=True) + jnp.uint32(1), flat)
-        least = lax.bitcast_convert_type(least_bits, jnp.float32)
-        mn = least + quant.DRE_TINY
-    else:
-        nonzero_min = _flat(jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True), flat)
-        mn = jnp.where(jnp.isfinite(nonzero_min), nonzero_min, 0.0) + quant.DRE_TINY
+    nonzero_min = _flat(jnp.min(jnp.where(a > 0, a, jnp.inf), axis=1, keepdims=True), flat)
+    mn = jnp.where(jnp.isfinite(nonzero_min), nonzero_min, 0.0) + quant.DRE_TINY
     c = jnp.sqrt(mx) * jnp.sqrt(mn)
     k = jnp.floor(log2_range / _log2_ratio(mx, mn) * expand_min) / expand_min
     k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)
     # The centre reaches 2**126 in groups of huge values: its reciprocal must not flush.
     s = math_.divide(math_.power(math_.divide(mx, c, ftz=False), k), fmax)
     stats = (_column(s, flat), _column(k, flat), _column(c, flat))
-    if folded:
-        # y / s = fmax * (|x / c| / (mx / c))**k = ex2(k * lg2|x / c| + B), with the group's
-        # B = lg2(fmax) - k * lg2(mx / c). Centred on c as the reference is, both terms are at
-        # most k * lg2(mx / mn) / 2 in size, which k's definition keeps near
-        # lg2(fmax**2 / 2) / 2 (more only in groups clipped to k = 1 / expand_min), so their
-        # float32 rounding stays far below a code's spacing even where k is large.
-        ratio = per_element_divide(a, c, ftz=False)
-        offset = math.log2(fmax) - k * math_.log2(math_.divide(mx, c, ftz=False))
-        exact = _ratios_below_normal(least_bits, math_.log2(least) - math_.log2(c))
-        log_ratio = _branch(
-            exact, lambda: math_.log2(ratio, ftz=True), lambda: math_.log2(ratio, ftz=False)
-        )
-        # |x| <= mx, so the power is at most fmax up to the approximation's rounding; the
-        # minimum keeps the cast in range. A flushed ex2 would round to code 0 anyway.
-        power = math_.exp2(math_.fma(_column(k, flat), log_ratio, _column(offset, flat)), ftz=True)
-        power = jnp.minimum(power, fmax)
-        return (_copysign(power, x) if signed else power).astype(dtype), stats
     # An ex2 result below 2**-126 ends as code 0 after the division by s >= 1 / fmax, so the
     # exponential may flush; the log's argument |x / c| stays exact (extreme groups reach
     # subnormal ratios).
@@ -815,8 +687,6 @@ def _kernel(
     flat: bool,
     native: bool,
     stacked: bool = False,
-    folded: bool = False,
-    prefetch: bool = False,
 ):
     n_moment = 4 if spec.expansion else 2
     refs = list(refs)
@@ -827,7 +697,6 @@ def _kernel(
     nu_out = refs[3 * n_moment + 1 :]
     gs = spec.group_size
     math_ = _Math(fast_math, native)
-    folded = folded and fast_math
     h = [hyper_ref[i] for i in range(_INDEX + 1)]
     expand_min = h[_EXPAND_MIN]
     # Masks only where the shape leaves a ragged edge, so the common case issues plain loads.
@@ -846,16 +715,13 @@ def _kernel(
         cols = pl.program_id(1) * gs + lax.broadcasted_iota(jnp.int32, (1, gs), 1)
         col_mask = cols < n_cols
 
-    def tile_io(t, live=None):
-        # Tile t of this program's `tiles`: its masks, and loads and stores of its rows;
-        # `live`, a scalar: loads only where it holds (a prefetch past the last tile).
+    def tile(t):
+        # Tile t of this program's `tiles`.
         first = t * block_rows
         if tiles == 1:
             window = slice(None)
         else:
-            # (A Python int, tile 0 of a prefetching loop, needs no alignment hint.)
-            aligned = first if isinstance(first, int) else pl.multiple_of(first, block_rows)
-            window = pl.ds(aligned, block_rows)
+            window = pl.ds(pl.multiple_of(first, block_rows), block_rows)
         row_mask = None
         if ragged_rows:
             rows = (first_row + first) + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
@@ -872,9 +738,6 @@ def _kernel(
 
         def load(ref, mask, other):
             view = view_of(ref)
-            if live is not None:
-                alive = jnp.broadcast_to(live, view.shape)
-                mask = alive if mask is None else mask & alive
             if mask is None:
                 return view[...]
             return pl_triton.load(view, mask=mask, other=jnp.asarray(other, ref.dtype))
@@ -886,131 +749,52 @@ def _kernel(
             else:
                 pl_triton.store(view, value.astype(ref.dtype), mask=mask)
 
-        return row_mask, tile_mask, load, store
-
-    def input_loaders(row_mask, tile_mask, load):
-        # One function per input of a tile, each loading it when called: the gradient, the two
-        # moments (codes, then statistics; statistics of padding rows read as 1 so those rows
-        # compute finite garbage) and the parameter.
-        def moment(moment_refs):
-            return lambda: (
-                [load(moment_refs[0], tile_mask, 0)]
-                + [load(r, row_mask, 1) for r in moment_refs[1:]]
-            )
-
-        return (
-            lambda: load(grad_ref, tile_mask, 0),
-            moment(mu_in),
-            moment(nu_in),
-            lambda: load(param_ref, tile_mask, 0),
-        )
-
-    def load_tile(t, live=None):
-        # Every input of tile t, loaded now (KernelConfig.prefetch).
-        row_mask, tile_mask, load, _ = tile_io(t, live)
-        grad, mu, nu, param = input_loaders(row_mask, tile_mask, load)
-        return grad(), mu(), nu(), param() if apply else None
-
-    def tile(t, loaded=None):
-        # Tile t, from its inputs as `load_tile` gives them, or (None) each loaded just before
-        # its first use.
-        row_mask, tile_mask, load, store = tile_io(t)
-        if loaded is None:
-            inputs = input_loaders(row_mask, tile_mask, load)
-        else:
-            inputs = [lambda value=value: value for value in loaded]
-        grad, mu, nu, param = inputs
-
-        def moment_in(raw, signed):
-            codes, *stats = raw
+        def moment_in(moment_refs):
+            # Codes, then statistics; statistics of padding rows read as 1 so those rows
+            # compute finite garbage.
+            codes = load(moment_refs[0], tile_mask, 0)
+            stats = [load(r, row_mask, 1) for r in moment_refs[1:]]
             if not spec.expansion:
                 return _dequantize(codes, stats[0], None, None, math_, flat)
-            return _dequantize(codes, *stats, math_, flat, folded=folded, signed=signed)
+            return _dequantize(codes, *stats, math_, flat)
 
-        def moment_out(moment_refs, x, fmt, log2_range, signed):
-            codes, stats = _quantize(
-                x,
-                fmt,
-                spec.expansion,
-                expand_min,
-                log2_range,
-                math_,
-                flat,
-                folded=folded,
-                signed=signed,
-            )
+        def moment_out(moment_refs, x, fmt, log2_range):
+            codes, stats = _quantize(x, fmt, spec.expansion, expand_min, log2_range, math_, flat)
             store(moment_refs[0], codes, tile_mask)
             for r, value in zip(moment_refs[1:], stats, strict=True):
                 store(r, value, row_mask)
 
-        g = grad().astype(jnp.float32)
-        m = moment_in(mu(), True)
-        # The second moment is never negative (its codes neither).
-        v = moment_in(nu(), False)
-        if folded:
-            # The clip factor and the bias corrections as scalars (KernelConfig.folded).
-            clip = h[_GRAD_SCALE]
-            m = math_.fma(h[_B1], m, (h[_C1] * clip) * g)
-            v = math_.fma(h[_B2], v, ((h[_C2] * clip) * clip * g) * g)
-            root_bc2 = jnp.sqrt(h[_BC2])
-            eps = h[_EPS] * root_bc2
-            m_scaled = m * (root_bc2 / h[_BC1])
-            update = _branch(
-                eps < _FLUSHABLE_ROOT_EPS,
-                lambda: math_.adam_direction(m_scaled, v, eps, ftz_sqrt=True),
-                lambda: math_.adam_direction(m_scaled, v, eps),
-            )
-        else:
-            # The gradient times its clip factor (exactly 1 unless the caller clips), then
-            # adam_moments_and_update operation by operation.
-            g = g * h[_GRAD_SCALE]
-            m = h[_B1] * m + h[_C1] * g
-            v = h[_B2] * v + h[_C2] * g * g
-            update = math_.adam_direction(
-                math_.divide(m, h[_BC1]), math_.divide(v, h[_BC2]), h[_EPS]
-            )
+        g = load(grad_ref, tile_mask, 0).astype(jnp.float32)
+        m = moment_in(mu_in)
+        v = moment_in(nu_in)
+        # The gradient times its clip factor (exactly 1 unless the caller clips), then
+        # adam_moments_and_update operation by operation.
+        g = g * h[_GRAD_SCALE]
+        m = h[_B1] * m + h[_C1] * g
+        v = h[_B2] * v + h[_C2] * g * g
+        update = math_.adam_direction(math_.divide(m, h[_BC1]), math_.divide(v, h[_BC2]), h[_EPS])
         update = update.astype(grad_ref.dtype)
         if apply:
-            p = param().astype(jnp.float32)
-            if folded:
-                u = math_.fma(h[_WD], p, update.astype(jnp.float32))
-                store(out_ref, math_.fma(u, h[_NEG_LR], p), tile_mask)
-            else:
-                u = update.astype(jnp.float32) + h[_WD] * p
-                store(out_ref, p + u * h[_NEG_LR], tile_mask)
+            p = load(param_ref, tile_mask, 0).astype(jnp.float32)
+            u = update.astype(jnp.float32) + h[_WD] * p
+            store(out_ref, p + u * h[_NEG_LR], tile_mask)
         else:
             store(out_ref, update, tile_mask)
-        moment_out(mu_out, m, spec.mu_format, h[_RANGE_MU], True)
-        moment_out(nu_out, v, spec.nu_format, h[_RANGE_NU], False)
+        moment_out(mu_out, m, spec.mu_format, h[_RANGE_MU])
+        moment_out(nu_out, v, spec.nu_format, h[_RANGE_NU])
 
     def body(t, carry):
         tile(t)
         return carry
 
-    def run(count):
-        if not prefetch:
-            lax.fori_loop(0, count, body, 0)
-            return
-
-        # Tile t + 1's loads issue before tile t's arithmetic, so that they are in flight
-        # while it runs; the last iteration's prefetch is masked off (no memory traffic).
-        last = count - 1
-
-        def prefetched(t, current):
-            upcoming = load_tile(jnp.minimum(t + 1, last), live=t < last)
-            tile(t, current)
-            return upcoming
-
-        lax.fori_loop(0, count, prefetched, load_tile(0))
-
     if tiles == 1:
         tile(0)
     elif not ragged_rows:
-        run(tiles)
+        lax.fori_loop(0, tiles, body, 0)
     else:
         # Tiles wholly past the array's end (the last program's) would only mask everything.
         left = n_rows - first_row
-        run(jnp.minimum(tiles, (left + block_rows - 1) // block_rows))
+        lax.fori_loop(0, jnp.minimum(tiles, (left + block_rows - 1) // block_rows), body, 0)
 
 
 def _next_pow2(n: int) -> int:
@@ -1143,8 +927,6 @@ def _fused_call(grad, param, mu, nu, hyper, *, spec, config, interpret, stacked=
         flat=config.flat_stats,
         native=not interpret,
         stacked=stacked,
-        folded=config.folded,
-        prefetch=config.prefetch,
     )
     compiler_params = (
         None
