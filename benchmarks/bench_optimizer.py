@@ -467,7 +467,17 @@ def main(argv=None):
     if args.kernel_mesh:
         mesh = sharding.make_mesh(1, 1)
         tx = coat_jax.coat_adamw(
-            LR, B1, B2, EPS, WD, implementation="pallas", interpret=INTERPRET, mesh=mesh
+            LR,
+            B1,
+            B2,
+            EPS,
+            WD,
+            implementation="pallas",
+            interpret=INTERPRET,
+            mesh=mesh,
+            partition_specs=lambda p: jax.tree.map(
+                lambda s: s.spec, sharding.param_shardings(p, mesh)
+            ),
         )
         candidates.append(("coat_adamw pallas (chain, mesh=1)", chain_step(tx), update_bytes))
         candidates.append(("coat_adamw pallas (fused apply, mesh=1)", applied_step(tx), 0))

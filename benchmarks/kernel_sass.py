@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench_optimizer import parse_setting  # noqa: E402
 
 from pallas_kernels import coat_adam as ca  # noqa: E402
+from pallas_kernels.coat_adam import pallas_triton  # noqa: E402
 
 SHAPE = (4096, 4096)
 SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -112,9 +113,9 @@ def kernel_ptx(config: ca.KernelConfig) -> str:
             config=config,
         )
 
-    require_gpu = ca.require_gpu
+    require_gpu = pallas_triton.require_gpu
     triton.compile, registration.mlir.custom_call = compile_capture, custom_call_capture
-    ca.require_gpu = lambda interpret: None  # lowering only: nothing runs
+    pallas_triton.require_gpu = lambda interpret: None  # lowering only: nothing runs
     try:
         export.export(
             jax.jit(step),
@@ -123,7 +124,7 @@ def kernel_ptx(config: ca.KernelConfig) -> str:
         )(jnp.zeros(SHAPE), jnp.zeros(SHAPE), mu, nu)
     finally:
         triton.compile, registration.mlir.custom_call = compile_, custom_call
-        ca.require_gpu = require_gpu
+        pallas_triton.require_gpu = require_gpu
     if len(modules) > 1:
         raise RuntimeError(f"expected one Triton kernel, captured {len(modules)}")
     if modules:

@@ -22,8 +22,8 @@ moments: scalars (no axis to group along), empty arrays, and those ``fp8_mask`` 
 
 Sharded parameters (docs/sharding.md): on several devices the Pallas kernel runs on each shard
 through ``shard_map`` once the optimizer knows the mesh: ``coat_adamw(..., mesh=mesh)``, with each
-parameter's ``PartitionSpec`` from ``partition_specs`` (default: the trainer's own rule,
-``pallas_kernels.sharding.param_shardings``). Inside ``jit`` the parameters are tracers whose
+parameter's ``PartitionSpec`` from ``partition_specs`` (the trainer's rule:
+``pallas_kernels.sharding.fsdp_param_shardings`` with the model's layout). Inside ``jit`` the parameters are tracers whose
 placement XLA decides later, so the mesh has to be told; without it ``implementation="auto"``
 keeps multi-device programs on the jnp path, which XLA partitions like any jnp code.
 """
@@ -43,8 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from coat_jax import quant
 from pallas_kernels import coat_adam as kernels
 from pallas_kernels import stacks
-from pallas_kernels._dispatch import check_implementation
-from pallas_kernels.sharding import param_shardings
+from pallas_kernels.dispatch import check_implementation
 
 DEFAULT_GROUP_SIZE = 128
 
@@ -236,9 +235,10 @@ def scale_by_coat_adam(
         each shard (``shard_map``): no gather of parameters, gradients or state. ``None``: one
         device, or (with ``"auto"``) the jnp path on several.
       partition_specs: each parameter's ``PartitionSpec`` on ``mesh``: a tree like the
-        parameters, or a function of the parameters returning one. ``None``: the trainer's FSDP
-        rule (``pallas_kernels.sharding.param_shardings``; the mesh needs an ``"fsdp"``
-        axis). The state may live anywhere; XLA moves what differs from these specs.
+        parameters, or a function of the parameters returning one; required with ``mesh``
+        (the trainer's: ``pallas_kernels.sharding.fsdp_param_shardings`` with the model's
+        ``is_stacked`` rule). The state may live anywhere; XLA moves what differs from these
+        specs.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`ScaleByCoatAdamState`.
@@ -373,13 +373,12 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
     if mesh is None:
         return [None] * treedef.num_leaves
     if partition_specs is None:
-        if "fsdp" not in mesh.axis_names:
-            raise ValueError(
-                f"coat_adamw(mesh=...) derives each parameter's spec by the FSDP rule, which "
-                f"needs an 'fsdp' mesh axis; the mesh has {list(mesh.axis_names)}. Pass "
-                "partition_specs (a tree of PartitionSpecs like the parameters)"
-            )
-        partition_specs = jax.tree.map(lambda s: s.spec, param_shardings(updates, mesh))
+        raise ValueError(
+            "coat_adamw(mesh=...) needs partition_specs: each parameter's PartitionSpec on the "
+            "mesh (a tree like the parameters, or a function of them), e.g. the specs of "
+            "pallas_kernels.sharding.fsdp_param_shardings(params, mesh, is_stacked=...) with "
+            "the model's layout rule"
+        )
     specs = flatten_option(
         partition_specs, updates, treedef, name="partition_specs", of="PartitionSpecs"
     )

@@ -1,4 +1,4 @@
-"""The fused Pallas COAT AdamW kernel against the jnp reference (pallas_kernels/coat_adam.py).
+"""The fused Pallas COAT AdamW kernel against the jnp reference (pallas_kernels/coat_adam/).
 
 Every test runs on the backend at hand: in interpret mode on a CPU (CI), on the real Triton
 backend on a GPU (``pytest -m gpu`` there). Shapes are tiny because interpret mode is slow; they
@@ -15,6 +15,7 @@ import pytest
 import coat_jax
 from coat_jax import quant
 from pallas_kernels import coat_adam as ca
+from pallas_kernels.coat_adam import pallas_triton, pallas_triton_math
 
 ON_GPU = jax.default_backend() == "gpu"
 BACKENDS = [
@@ -285,15 +286,15 @@ def test_centre_reciprocal_scale_covers_every_centre():
     ``DRE_TINY`` (the smallest ``sqrt(mx) * sqrt(mn)``) to float32's largest."""
     tiny = float(np.finfo(np.float32).tiny)
     for c in (quant.DRE_TINY, 1.0, float(np.finfo(np.float32).max)):
-        scaled = c * ca._CENTRE_SCALE
+        scaled = c * pallas_triton_math.CENTRE_SCALE
         assert scaled >= tiny and 1.0 / scaled >= tiny, c
     # A power of two, so the scaling rounds nothing: in float32 arithmetic that keeps subnormal
     # values (numpy's, as the GPU's plain multiply does) the scaled form is 1 / c exactly,
     # subnormal reciprocals of centres from 2**126 included.
-    assert np.log2(ca._CENTRE_SCALE) == int(np.log2(ca._CENTRE_SCALE))
+    assert np.log2(pallas_triton_math.CENTRE_SCALE) == int(np.log2(pallas_triton_math.CENTRE_SCALE))
     c = np.asarray([quant.DRE_TINY, 3e-20, 0.7, 2.0**126, 2.5e38, np.finfo(np.float32).max])
     c = c.astype(np.float32)
-    s = np.float32(ca._CENTRE_SCALE)
+    s = np.float32(pallas_triton_math.CENTRE_SCALE)
     got = (np.float32(1) / (c * s)) * s
     np.testing.assert_array_equal(got, np.float32(1) / c)
     assert got[-1] < tiny and got[-1] > 0
@@ -606,9 +607,13 @@ def test_stacked_apply_with_a_short_last_group_steps_the_slices(backend):
     nu = _stacked_moment(jax.random.key(1), (3, 4, 300), "e4m3", spec, positive=True)
     p = jax.random.normal(jax.random.key(2), (3, 4, 300))
     g = jax.random.normal(jax.random.key(3), (4, 300))
-    hyper = ca._hyper_vector(spec=spec, index=1, **{k: v for k, v in kw.items() if k != "spec"})
+    hyper = pallas_triton.hyper_vector(
+        spec=spec, index=1, **{k: v for k, v in kw.items() if k != "spec"}
+    )
     with pytest.raises(NotImplementedError, match="multiple of the group size"):
-        ca._fused_call(g, p, mu, nu, hyper, spec=spec, config=None, interpret=True, stacked=True)
+        pallas_triton.fused_call(
+            g, p, mu, nu, hyper, spec=spec, config=None, interpret=True, stacked=True
+        )
     interpret = backend == "interpret"
     got = jax.jit(
         lambda p, mu, nu: ca.coat_adamw_apply(
@@ -646,7 +651,7 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked, rows
     cannot: a primitive, a shape or a block the Triton backend does not take."""
     from jax import export
 
-    monkeypatch.setattr(ca, "require_gpu", lambda interpret: None)
+    monkeypatch.setattr(pallas_triton, "require_gpu", lambda interpret: None)
     spec = ca.MomentSpec(nu_format="e5m2")
     layers, shape = 3, (rows, 256)
     stack = (layers, *shape) if stacked else shape
@@ -694,10 +699,10 @@ def test_powers_keep_narrow_groups_exact(fmt, low, high):
     spec = ca.MomentSpec()
     want = ca.quantize_moment(x, fmt, spec, 16)
     assert float(jnp.min(want.expand)) > 100
-    math_ = ca._Math(True, False)
+    math_ = pallas_triton_math.Math(True, False)
     log2_range = jnp.log2(jnp.float32(quant.FP8_MAX[fmt] ** 2 / 2))
     for flat in (True, False):
-        codes, stats = ca._quantize(x, fmt, True, 16.0, log2_range, math_, flat)
+        codes, stats = pallas_triton_math.quantize_tile(x, fmt, True, 16.0, log2_range, math_, flat)
         _assert_codes_match(codes, want.codes, f"{fmt} [{low}, {high}]")
-        values = ca._dequantize(want.codes, *stats, math_, flat)
+        values = pallas_triton_math.dequantize_tile(want.codes, *stats, math_, flat)
         np.testing.assert_allclose(values, want.dequantize(), rtol=2e-6, atol=0)
