@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from coat_jax import quant
+from coat_jax import quant, state_codec
 from pallas_kernels import coat_adam as kernels
 from pallas_kernels import stacks
 from pallas_kernels.dispatch import check_implementation
@@ -88,62 +88,14 @@ def _static_group_size(group_size) -> int:
     return quant.check_group_size(group_size)
 
 
-def flatten_option(option, params, treedef, *, name: str, of: str) -> list:
-    """The leaves of a per-parameter option (a tree like ``params``, or a callable returning one).
-
-    ``name`` and ``of`` only word the error: ``"fp8_mask"``, ``"bools"``.
-    """
-    tree = option(params) if callable(option) else option
-    try:
-        return treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{name} must be a tree of {of} with the parameters' structure (or a callable "
-            f"returning one); it does not match the parameters: {e}"
-        ) from None
-
-
 def _quantized_flags(params, fp8_mask) -> list[bool]:
     """Per leaf of ``params``: does it get FP8 moments?"""
     leaves, treedef = jax.tree.flatten(params)
     if fp8_mask is None:
         wanted = [True] * len(leaves)
     else:
-        wanted = flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
+        wanted = state_codec.flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
     return [bool(w) and p.ndim >= 1 and p.size > 0 for w, p in zip(wanted, leaves, strict=True)]
-
-
-def _stat_sharding(param, stat_shape):
-    """Where a parameter's per-group statistics live: its own sharding where the shapes allow."""
-    # Tracers first: asking a tracer for its sharding is slow (quadratic over a traced init).
-    if isinstance(param, jax.core.Tracer):
-        return None
-    sharding = getattr(param, "sharding", None)
-    if sharding is None:
-        return None
-    if isinstance(sharding, NamedSharding):
-        spec = list(sharding.spec) + [None] * (len(stat_shape) - len(sharding.spec))
-        axis_sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
-        for i, entry in enumerate(spec):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            ways = int(np.prod([axis_sizes[n] for n in names if n is not None]))
-            if stat_shape[i] % ways:
-                spec[i] = None
-        return NamedSharding(sharding.mesh, PartitionSpec(*spec))
-    if sharding.is_fully_replicated:
-        return sharding
-    return None
-
-
-def _replicated_like(leaves):
-    """A replicated sharding on the parameters' mesh, so the step count lives where they do."""
-    for p in leaves:
-        if isinstance(p, jax.core.Tracer):
-            return None
-        sharding = getattr(p, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            return NamedSharding(sharding.mesh, PartitionSpec())
-    return None
 
 
 def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant.QuantizedTensor:
@@ -151,10 +103,14 @@ def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant
     n = param.shape[-1]
     stat_shape = (*param.shape[:-1], quant.num_groups(n, spec.group_size))
     # What quantizing one all-zero group gives: the state starts as exactly quantize(0).
-    zero = kernels.quantize_moment(
-        jnp.zeros((spec.group_size,), jnp.float32), fmt, spec, expand_min
+    zero = state_codec.quantize(
+        jnp.zeros((spec.group_size,), jnp.float32),
+        fmt=fmt,
+        expansion=spec.expansion,
+        group_size=spec.group_size,
+        expand_min=expand_min,
     )
-    sharding = _stat_sharding(param, stat_shape)
+    sharding = state_codec.stat_sharding(param, stat_shape)
 
     def stat(value):
         return jnp.full(stat_shape, value[0], jnp.float32, device=sharding)
@@ -164,26 +120,6 @@ def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant
         return zero.replace(codes=codes, scale=stat(zero.scale))
     return zero.replace(
         codes=codes, scale=stat(zero.scale), expand=stat(zero.expand), center=stat(zero.center)
-    )
-
-
-def _unmask(x):
-    return None if isinstance(x, optax.MaskedNode) else x
-
-
-def _moment_of(codes, scale, expand, center, group_size: int):
-    """A moment as the step sees it, from its four state fields: a ``QuantizedTensor``, or the
-    float32 moment itself where ``*_codes`` holds it (its statistics are ``MaskedNode``)."""
-    if isinstance(scale, optax.MaskedNode):
-        return codes
-    return quant.QuantizedTensor(
-        codes,
-        scale,
-        _unmask(expand),
-        _unmask(center),
-        fmt=quant.format_of(codes.dtype),
-        granularity="group",
-        group_size=group_size,
     )
 
 
@@ -281,7 +217,7 @@ def scale_by_coat_adam(
             else:
                 mus.append(jnp.zeros_like(p, dtype=jnp.float32))
                 nus.append(jnp.zeros_like(p, dtype=jnp.float32))
-        count = jnp.zeros([], jnp.int32, device=_replicated_like(leaves))
+        count = jnp.zeros([], jnp.int32, device=state_codec.replicated_like(leaves))
         return _state_from_leaves(count, treedef, mus, nus)
 
     def step(updates, state, params=None, decay=None, grad_scale=None, index=None):
@@ -306,8 +242,8 @@ def scale_by_coat_adam(
             leaves,
             ps,
             decays,
-            _moments_of(state, treedef, "mu", spec.group_size),
-            _moments_of(state, treedef, "nu", spec.group_size),
+            moments_of(state, treedef, "mu", spec.group_size),
+            moments_of(state, treedef, "nu", spec.group_size),
             partitions,
             strict=True,
         ):
@@ -379,7 +315,7 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
             "pallas_kernels.sharding.fsdp_param_shardings(params, mesh, is_stacked=...) with "
             "the model's layout rule"
         )
-    specs = flatten_option(
+    specs = state_codec.flatten_option(
         partition_specs, updates, treedef, name="partition_specs", of="PartitionSpecs"
     )
     for s in specs:
@@ -394,22 +330,9 @@ def _named_format(name: str, fmt) -> str:
     return fmt
 
 
-def _masked_moment(m) -> tuple:
-    """A moment's four state fields (the inverse of :func:`_moment_of`): a ``QuantizedTensor``'s
-    codes and statistics, ``MaskedNode`` for absent ones; a float32 moment in ``*_codes``."""
-    if not isinstance(m, quant.QuantizedTensor):
-        return m, optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode()
-    return (
-        m.codes,
-        m.scale,
-        optax.MaskedNode() if m.expand is None else m.expand,
-        optax.MaskedNode() if m.center is None else m.center,
-    )
-
-
 def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     def field(moments, i):
-        return treedef.unflatten([_masked_moment(m)[i] for m in moments])
+        return treedef.unflatten([state_codec.store(m)[i] for m in moments])
 
     return ScaleByCoatAdamState(
         count,
@@ -418,10 +341,17 @@ def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     )
 
 
-def _moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: int) -> list:
+def moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: int) -> list:
+    """The moments ``prefix`` (``"mu"`` or ``"nu"``) of ``state``, one per leaf of ``treedef``:
+    each a ``QuantizedTensor``, or the float32 moment (``coat_jax.state_codec.load``)."""
     fields = [getattr(state, f"{prefix}_{name}") for name in ("codes", "scale", "expand", "center")]
     per_field = [treedef.flatten_up_to(f) for f in fields]
-    return [_moment_of(*parts, group_size) for parts in zip(*per_field, strict=True)]
+    return [state_codec.load(*parts, group_size) for parts in zip(*per_field, strict=True)]
+
+
+# The names coat_jax/training/telemetry.py imports; moments_of and state_codec.load are public.
+_moments_of = moments_of
+_moment_of = state_codec.load
 
 
 def coat_adamw(
@@ -521,7 +451,7 @@ def coat_adamw(
                     "mask must be a tree of bools like the parameters or a prefix of them (or a "
                     f"callable returning one); it does not match the parameters: {e}"
                 ) from None
-            flags = flatten_option(tree, params, treedef, name="mask", of="bools")
+            flags = state_codec.flatten_option(tree, params, treedef, name="mask", of="bools")
             decays = [weight_decay if m else 0.0 for m in flags]
         new_params, coat_state = step(
             grads, coat_state, params, decay=(lr, decays), grad_scale=grad_scale, index=index
@@ -690,16 +620,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformationExtraArgs(optax.clip_by_global_norm(max_norm).init, update)
 
 
-def _unbox(x):
-    # nnx.Optimizer wraps state leaves in nnx.Variable boxes.
-    return x.get_value() if hasattr(x, "get_value") else x
-
-
 def find_coat_states(opt_state) -> list[ScaleByCoatAdamState]:
     """Every :class:`ScaleByCoatAdamState` inside an optimizer state (chains, wrappers, nnx)."""
     found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByCoatAdamState))
     return [
-        jax.tree.map(_unbox, s, is_leaf=lambda x: hasattr(x, "get_value"))
+        jax.tree.map(state_codec.unbox, s, is_leaf=lambda x: hasattr(x, "get_value"))
         for s in found
         if isinstance(s, ScaleByCoatAdamState)
     ]
@@ -734,7 +659,7 @@ def dequantized_moments(opt_state, *, group_size: int = DEFAULT_GROUP_SIZE):
         return treedef.unflatten(
             [
                 m.dequantize() if isinstance(m, quant.QuantizedTensor) else m
-                for m in _moments_of(state, treedef, prefix, group_size)
+                for m in moments_of(state, treedef, prefix, group_size)
             ]
         )
 
