@@ -43,6 +43,7 @@ def quantize_per_group(
     ``None`` for one device.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> q = quantize_per_group(jnp.ones((4, 32)), implementation="xla")
         >>> q.codes.dtype, q.scale.shape, q.group_size
         (dtype(float8_e4m3fn), (4, 2), 16)
@@ -78,6 +79,7 @@ def quantize_per_tensor(
     reference needs neither (XLA partitions its maximum itself).
 
     Example:
+        >>> import jax.numpy as jnp
         >>> q = quantize_per_tensor(jnp.ones((4, 32)), implementation="xla")
         >>> q.granularity, q.scale.shape, float(q.scale) >= 1 / 448
         ('tensor', (), True)
