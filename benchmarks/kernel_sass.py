@@ -8,9 +8,9 @@ with float32 gradients and E4M3 moments with expansion (one Llama-2-7B projectio
 Triton kernel to PTX with the Triton compiler in JAX's CUDA plugin (it needs no GPU), then to
 ``sm_90a`` SASS with ``ptxas``, and counts the SASS instructions of one thread. Divided by the
 elements one thread updates (``block_rows * 128 / (32 * num_warps)``), that is the issue-slot
-cost per parameter: an H200 SM issues four warp instructions per clock, so at 132 SMs and
-1.98 GHz a kernel that needs N instructions per parameter cannot update more than
-``4 * 32 * 132 * 1.98e9 / N`` parameters per second, whatever its memory traffic.
+cost per parameter: a Hopper SM issues four warp instructions per clock, so a kernel that needs
+N instructions per parameter cannot update more than ``4 * 32 * SMs * clock / N`` parameters per
+second, whatever its memory traffic.
 
 This is a count, not a timing (timings: ``bench_optimizer.py`` on a GPU). Needs, besides JAX:
 ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` of jaxlib's version (pip; on a CPU machine set
@@ -80,7 +80,7 @@ def kernel_ptx(config: ca.KernelConfig) -> str:
     custom_call = registration.mlir.custom_call
 
     def compile_capture(platform, module, arch_name, **kw):
-        # JAX versions that compile at lowering time (the H200's): keep the PTX.
+        # JAX versions that compile at lowering time: keep the PTX.
         result = compile_(platform, module, arch_name, **kw)
         ptx.append(result.asm)
         return result

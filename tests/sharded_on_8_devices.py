@@ -1,4 +1,4 @@
-"""Pallas kernels on operands sharded over 8 CPU devices, against one device (issue 16).
+"""Pallas kernels on operands sharded over 8 CPU devices, against one device.
 
 Run by tests/test_sharded_kernels.py in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the flag must be set before JAX starts).

@@ -24,16 +24,10 @@ statistics (codes and statistics in place). :func:`coat_adamw_apply` is the same
 reads the float32 parameter and writes the new parameter instead of the update (decoupled weight
 decay and the learning rate folded in), which saves the update's round trip through memory.
 
-Layout: the parameter is viewed as ``[rows, n]`` and one program handles ``block_rows`` groups.
-When ``n`` is a multiple of the group size the view is ``[rows * n / group_size, group_size]``:
-one group per row, contiguous in memory. Otherwise the view stays ``[rows, n]``, the grid has one
-column of programs per group and the short last group is masked (its missing values read as 0,
-which changes neither absmax nor DRE's statistics).
-
-Numeric hyper-parameters enter as a small float32 vector operand, so one compiled kernel serves
-every step, schedule value and ``inject_hyperparams`` setting. Everything specific to Triton
-(masked loads and stores, inline PTX for ``ex2``/``lg2``, ``num_warps``) sits in the
-``interpret=False`` branch and in :class:`KernelConfig`, so a Mosaic GPU kernel could replace it.
+The kernel's layout and its hyper-parameter operand: :mod:`pallas_kernels.coat_adam.pallas_triton`.
+Everything specific to Triton (masked loads and stores, inline PTX for ``ex2``/``lg2``,
+``num_warps``) sits in the ``interpret=False`` branch and in :class:`KernelConfig`, so a Mosaic
+GPU kernel could replace it.
 
 Modules (one job each): ``config`` (:class:`MomentSpec`, :class:`KernelConfig`), ``reference``
 (the jnp reference, also the CPU path), ``pallas_triton_math`` (the kernel's per-tile arithmetic),

@@ -34,8 +34,8 @@ class KernelConfig:
         GPU's approximate ``ex2``/``lg2``, reciprocals, square roots and the update's division
         through ``rcp.approx``/``sqrt.approx``, divisions by per-group values as products with
         the reciprocal. Codes change only at rounding ties; the DRE exponent k, which a floor
-        makes discontinuous, and the centre stay exactly the reference's computation. Measured
-        on an H200: 3.4x faster than exact arithmetic (docs/notes_optimizer_kernel.md).
+        makes discontinuous, and the centre stay exactly the reference's computation. Several
+        times faster than exact arithmetic (docs/notes_optimizer_kernel.md).
       flat_stats: compute the per-group statistics (DRE exponent, centre, scale, and the
         reciprocals the element work multiplies by) on a vector of the tile's groups rather
         than on the ``[groups, 1]`` column the row reductions give. Triton lays that column out
@@ -46,8 +46,7 @@ class KernelConfig:
         tile's arithmetic). ``1``: one tile per program, no loop.
     """
 
-    # Best of the settings timed on an H200 (docs/benchmarks.md, docs/notes_optimizer_kernel.md:
-    # 11 settings on one Llama-2-7B layer, 2026-12-02).
+    # The fastest of the settings timed (docs/benchmarks.md, docs/notes_optimizer_kernel.md).
     block_rows: int = 16
     num_warps: int = 4
     num_stages: int = 1

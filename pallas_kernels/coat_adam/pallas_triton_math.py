@@ -24,13 +24,13 @@ class Math:
     """Element-wise operations whose fast form differs between Triton and interpret mode.
 
     ``fast=False`` is the reference's own arithmetic. ``fast=True`` trades a few float32 ulps
-    for throughput, since the step is compute-bound on an H200 with exact arithmetic: on the
-    GPU, powers go through the approximate ``ex2``/``lg2`` instructions and reciprocals, square
-    roots and the update's division through ``rcp.approx``/``sqrt.approx``. Interpret mode has
-    no PTX: there the powers run as ``exp2(e * log2(a))`` and the divisions as products with the
-    reciprocal in jnp, the rest exactly, and the ``.ftz`` forms flush subnormal values as the GPU
-    does. The ``.ftz`` forms appear only where the argument or a flushed result cannot matter
-    (noted at each call), or in the branch a tile takes when it holds no subnormal value.
+    for throughput, since the step is compute-bound with exact arithmetic
+    (docs/notes_optimizer_kernel.md): on the GPU, powers go through the approximate
+    ``ex2``/``lg2`` instructions and reciprocals, square roots and the update's division through
+    ``rcp.approx``/``sqrt.approx``. Interpret mode has no PTX: there the powers run as
+    ``exp2(e * log2(a))`` and the divisions as products with the reciprocal in jnp, the rest
+    exactly, and the ``.ftz`` forms flush subnormal values as the GPU does. The ``.ftz`` forms
+    appear only where the argument or a flushed result cannot matter (noted at each call).
     """
 
     def __init__(self, fast: bool, native: bool):

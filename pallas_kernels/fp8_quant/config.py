@@ -13,8 +13,8 @@ from jax.experimental.pallas import triton as plgpu
 class TileConfig:
     """Tile sizes and launch settings of the element-wise FP8 kernels (upper bounds).
 
-    The defaults are the fastest of a sweep at Llama-2-7B's batch-20 shapes on the H200
-    (``benchmarks/fp8_tiles.py``, docs/bench_fp8_tiles.md): every setting gives the same
+    The defaults are the fastest of a sweep (``benchmarks/fp8_tiles.py``,
+    docs/bench_fp8_tiles.md): every setting gives the same
     element-wise outputs; the RMSNorm kernels' row reductions depend on ``norm_num_warps``.
     """
 

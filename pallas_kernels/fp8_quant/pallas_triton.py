@@ -101,10 +101,9 @@ def quantize_per_tensor_pallas(
 ) -> QuantizedTensor:
     """XLA's group maxima (:func:`group_amax_reference`), then the Pallas scaled cast.
 
-    The maxima stay in XLA, which can fuse them into the op that produces ``x``: train.py's
-    Llama-2-7B step at batch 20 on the H200 ran 1.5% faster this way than with a Pallas pass
-    for the maxima. The cast is the kernel: XLA's fusion of the same cast took 1.38x its time
-    on a [40960, 11008] BF16 tensor (docs/bench_fp8_cast.md, docs/bench_fp8_kernels.md).
+    The maxima stay in XLA, which can fuse them into the op that produces ``x``: the training
+    step ran faster this way than with a Pallas pass for the maxima. The cast is the kernel:
+    XLA's fusion of the same cast is slower (docs/bench_fp8_cast.md, docs/bench_fp8_kernels.md).
 
     With ``mesh``, ``x`` is split as ``partition`` (default: ``mesh.activation_spec``, the
     leading axis over the batch axes; a weight takes ``mesh.param_spec(w.shape)``) and both
