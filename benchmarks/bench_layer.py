@@ -116,8 +116,8 @@ OPTIMIZER_SCOPE = "layer_optimizer"
 _ATTENTION_NAME = re.compile(r"fmha|flash|sdpa|attention|cudnn")
 _GEMM_NAME = re.compile(r"gemm|gemv|cublas|cutlass|xmma|nvjet|matmul|splitkreduce")
 _MEMCPY_NAME = re.compile(r"memcpy|memset")
-# Every pallas_call name of pallas_kernels/fp8_act.py and fp8_quant.py starts with the first,
-# of pallas_kernels/coat_adam.py with the second (tests/test_bench_layer.py reads the sources).
+# Every pallas_call name of pallas_kernels/fp8_act/ and fp8_quant/ starts with the first, of
+# pallas_kernels/coat_adam/ with the second (tests/test_bench_layer.py reads the sources).
 FP8_KERNEL_PREFIX = "fp8_"
 OPTIMIZER_KERNEL_PREFIX = "coat_adam"
 # Lines of a device plane that the profiler derives from the kernels it traced (xprof's

@@ -81,12 +81,11 @@ def llama2_7b_shapes(
 
 def parse_setting(text: str) -> ca.KernelConfig:
     """A kernel launch setting from
-    ``rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded][/prefetch]``, e.g. ``16/4/t4/s2``
-    (``folded``: ``KernelConfig.folded=True``; ``prefetch``: ``KernelConfig.prefetch=True``).
+    ``rows/warps[/sN][/tN][/flat][/exact]``, e.g. ``16/4/t4/s2``.
 
     Example:
-      >>> parse_setting("32/8/t2/flat/folded")
-      KernelConfig(block_rows=32, num_warps=8, num_stages=1, fast_math=True, flat_stats=True, tiles=2, folded=True, prefetch=False)
+      >>> parse_setting("32/8/t2/flat/exact")
+      KernelConfig(block_rows=32, num_warps=8, num_stages=1, fast_math=False, flat_stats=True, tiles=2)
     """
     rows, warps, *rest = text.split("/")
     kw = dict(block_rows=int(rows), num_warps=int(warps))
@@ -95,10 +94,6 @@ def parse_setting(text: str) -> ca.KernelConfig:
             kw["flat_stats"] = True
         elif part == "exact":
             kw["fast_math"] = False
-        elif part in ("folded", "unfolded"):
-            kw["folded"] = part == "folded"
-        elif part == "prefetch":
-            kw["prefetch"] = True
         elif part[:1] in ("s", "t") and part[1:].isdigit():
             kw["num_stages" if part[0] == "s" else "tiles"] = int(part[1:])
         else:
@@ -390,7 +385,7 @@ def main(argv=None):
         "--sweep-settings",
         default="",
         help="comma-separated launch settings to sweep instead "
-        "(rows/warps[/sN][/tN][/flat][/exact][/folded|/unfolded][/prefetch])",
+        "(rows/warps[/sN][/tN][/flat][/exact])",
     )
     ap.add_argument(
         "--best-full", action="store_true", help="also run the whole tree with the sweep's best"
@@ -472,7 +467,17 @@ def main(argv=None):
     if args.kernel_mesh:
         mesh = sharding.make_mesh(1, 1)
         tx = coat_jax.coat_adamw(
-            LR, B1, B2, EPS, WD, implementation="pallas", interpret=INTERPRET, mesh=mesh
+            LR,
+            B1,
+            B2,
+            EPS,
+            WD,
+            implementation="pallas",
+            interpret=INTERPRET,
+            mesh=mesh,
+            partition_specs=lambda p: jax.tree.map(
+                lambda s: s.spec, sharding.param_shardings(p, mesh)
+            ),
         )
         candidates.append(("coat_adamw pallas (chain, mesh=1)", chain_step(tx), update_bytes))
         candidates.append(("coat_adamw pallas (fused apply, mesh=1)", applied_step(tx), 0))

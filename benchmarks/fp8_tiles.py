@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 from coat_jax import fp8_ops  # noqa: E402
-from pallas_kernels import fp8_act, fp8_quant  # noqa: E402
+from pallas_kernels import fp8_act, fp8_quant, quant  # noqa: E402
 from pallas_kernels.fp8_quant import DEFAULT_TILES, TileConfig  # noqa: E402
 
 D, F = 4096, 11008
@@ -95,7 +95,7 @@ def ops(rows: int, interpret: bool = False):
                     a, s, fmt=fmt, tiles=t, interpret=interpret
                 )
             ),
-            lambda a, s: fp8_quant.quant.cast_to_fp8(a.astype(jnp.float32) / s, fmt),
+            lambda a, s: quant.cast_to_fp8(a.astype(jnp.float32) / s, fmt),
             False,
             nf * 3,
         )

@@ -1,20 +1,16 @@
 """Compiled instruction counts of the fused COAT AdamW kernel, for Hopper, with or without a GPU.
 
-Usage: ``python benchmarks/kernel_sass.py --settings 16/4,16/4/folded [--out docs/X]``.
+Usage: ``python benchmarks/kernel_sass.py --settings 16/4,16/4/t2 [--out docs/X]``.
 
 For each launch setting (``bench_optimizer.parse_setting``'s syntax) this lowers
 ``pallas_kernels.coat_adam.coat_adamw_apply`` for CUDA on a ``[4096, 4096]`` float32 parameter
 with float32 gradients and E4M3 moments with expansion (one Llama-2-7B projection), compiles its
 Triton kernel to PTX with the Triton compiler in JAX's CUDA plugin (it needs no GPU), then to
-``sm_90a`` SASS with ``ptxas``, and counts the SASS instructions of one thread: all of them, and
-those on the path a tile without subnormal values takes (the folded kernel's ``lax.cond``
-branches: the fall-through block of each if/else is the condition's first branch, which
-``coat_adam._branch`` makes the flush-to-zero one; the other block, which must hold the exact
-forms' subnormal fix-ups, is left out). Divided by the
+``sm_90a`` SASS with ``ptxas``, and counts the SASS instructions of one thread. Divided by the
 elements one thread updates (``block_rows * 128 / (32 * num_warps)``), that is the issue-slot
-cost per parameter: an H200 SM issues four warp instructions per clock, so at 132 SMs and
-1.98 GHz a kernel that needs N instructions per parameter cannot update more than
-``4 * 32 * 132 * 1.98e9 / N`` parameters per second, whatever its memory traffic.
+cost per parameter: a Hopper SM issues four warp instructions per clock, so a kernel that needs
+N instructions per parameter cannot update more than ``4 * 32 * SMs * clock / N`` parameters per
+second, whatever its memory traffic.
 
 This is a count, not a timing (timings: ``bench_optimizer.py`` on a GPU). Needs, besides JAX:
 ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` of jaxlib's version (pip; on a CPU machine set
@@ -47,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 from bench_optimizer import parse_setting  # noqa: E402
 
 from pallas_kernels import coat_adam as ca  # noqa: E402
+from pallas_kernels.coat_adam import pallas_triton  # noqa: E402
 
 SHAPE = (4096, 4096)
 SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -83,7 +80,7 @@ def kernel_ptx(config: ca.KernelConfig) -> str:
     custom_call = registration.mlir.custom_call
 
     def compile_capture(platform, module, arch_name, **kw):
-        # JAX versions that compile at lowering time (the H200's): keep the PTX.
+        # JAX versions that compile at lowering time: keep the PTX.
         result = compile_(platform, module, arch_name, **kw)
         ptx.append(result.asm)
         return result
@@ -116,9 +113,9 @@ def kernel_ptx(config: ca.KernelConfig) -> str:
             config=config,
         )
 
-    require_gpu = ca.require_gpu
+    require_gpu = pallas_triton.require_gpu
     triton.compile, registration.mlir.custom_call = compile_capture, custom_call_capture
-    ca.require_gpu = lambda interpret: None  # lowering only: nothing runs
+    pallas_triton.require_gpu = lambda interpret: None  # lowering only: nothing runs
     try:
         export.export(
             jax.jit(step),
@@ -127,7 +124,7 @@ def kernel_ptx(config: ca.KernelConfig) -> str:
         )(jnp.zeros(SHAPE), jnp.zeros(SHAPE), mu, nu)
     finally:
         triton.compile, registration.mlir.custom_call = compile_, custom_call
-        ca.require_gpu = require_gpu
+        pallas_triton.require_gpu = require_gpu
     if len(modules) > 1:
         raise RuntimeError(f"expected one Triton kernel, captured {len(modules)}")
     if modules:
@@ -205,52 +202,11 @@ def opcode(instruction: str) -> str:
     return words[1] if words[0].startswith("@") else words[0]
 
 
-# The exact forms' subnormal fix-ups: a compare with 2**-126 (lg2) or with -126 (ex2).
-EXACT_FORM = re.compile(r"FSETP\.GEU\.AND .*(1\.17549435|-126)")
-
-
-def fast_path(lines: list[tuple[int, str]]) -> tuple[list[int], int]:
-    """Indices of the instructions a tile without subnormal values runs, and how many branches
-    were left out.
-
-    Each ``lax.cond`` compiles to ``@!P BRA else; <first branch>; BRA join; else: <second
-    branch>; join:``; the second branch's instructions are left out. ``coat_adam._branch``
-    makes the first branch the flush-to-zero one; a left-out block without the exact forms'
-    fix-up compare (or a flush-to-zero block with one) raises, since then that layout did not
-    hold.
-    """
-    index = {address: i for i, (address, _) in enumerate(lines)}
-    skipped, branches = set(), 0
-    for i, (_, ins) in enumerate(lines):
-        words = ins.split()
-        if not (len(words) == 3 and words[0].startswith("@!P") and words[1] == "BRA"):
-            continue
-        other = index.get(int(words[2], 16))
-        if other is None:
-            continue
-        before = lines[other - 1][1].split()
-        if not (before[0] == "BRA" and len(before) == 2):
-            continue  # a branch without an else block: both sides run
-        join = index.get(int(before[1], 16))
-        if join is None or join <= other:
-            continue
-        first = [text for _, text in lines[i + 1 : other]]
-        second = [text for _, text in lines[other:join]]
-        if any(map(EXACT_FORM.search, first)) or not any(map(EXACT_FORM.search, second)):
-            raise RuntimeError(
-                f"the if/else at {lines[i][0]:#x} is not a flush-to-zero/exact pair: the fast "
-                "path cannot be read off this listing"
-            )
-        skipped.update(range(other, join))
-        branches += 1
-    return [i for i in range(len(lines)) if i not in skipped], branches
-
-
-def load_schedule(lines: list[tuple[int, str]], taken: list[int]) -> dict:
-    """Where the fast path issues its global loads (``LDG``), as fractions of its length: a
+def load_schedule(lines: list[tuple[int, str]]) -> dict:
+    """Where the kernel issues its global loads (``LDG``), as fractions of its length: a
     load issued late leaves its latency exposed unless other warps cover it. ``wide`` are the
     128-bit loads (the float32 tiles: gradient, parameter)."""
-    at = [(k / len(taken), opcode(lines[i][1])) for k, i in enumerate(taken)]
+    at = [(k / len(lines), opcode(ins)) for k, (_, ins) in enumerate(lines)]
     loads = [x for x, op in at if op.startswith("LDG")]
     wide = [x for x, op in at if op.startswith("LDG.E.128")]
     return {"loads": len(loads), "last_load_at": max(loads, default=0.0), "wide_loads_at": wide}
@@ -262,32 +218,25 @@ def count(setting: str, ptxas: str, cuobjdump: str, keep: str | None) -> dict:
     if keep:
         with open(f"{keep}.{setting.replace('/', '_')}.sass", "w") as f:
             f.write("\n".join(f"{a:05x} {ins}" for a, ins in lines) + "\n")
-    taken, branches = fast_path(lines)
-    # The folded kernel's branches: both powers of both moments and the update's root.
-    expected = 5 if config.folded and config.fast_math else 0
-    if branches != expected:
-        raise RuntimeError(f"{setting}: {branches} flush-to-zero/exact branches, not {expected}")
     per_thread = config.block_rows * 128 / (32 * config.num_warps)
-    ops = collections.Counter(opcode(lines[i][1]) for i in taken)
+    ops = collections.Counter(opcode(ins) for _, ins in lines)
     return {
         "setting": setting,
         "config": dataclasses.asdict(config),
         "shape": list(SHAPE),
         "elements_per_thread": per_thread,
         "sass_total": len(lines),
-        "sass_fast_path": len(taken),
-        "branches_left_out": branches,
-        "per_element_fast_path": len(taken) / per_thread,
-        "mufu_fast_path": sum(v for k, v in ops.items() if k.startswith("MUFU")),
+        "per_element": len(lines) / per_thread,
+        "mufu": sum(v for k, v in ops.items() if k.startswith("MUFU")),
         "resources": usage,
-        "opcodes_fast_path": dict(ops.most_common()),
-        **load_schedule(lines, taken),
+        "opcodes": dict(ops.most_common()),
+        **load_schedule(lines),
     }
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--settings", default="16/4,16/4/folded")
+    ap.add_argument("--settings", default="16/4,16/4/t2")
     ap.add_argument("--out", help="write OUT.jsonl and OUT.md")
     ap.add_argument("--ptxas")
     ap.add_argument("--cuobjdump")
@@ -306,25 +255,22 @@ def main(argv=None):
         r = count(setting, ptxas, cuobjdump, keep)
         records.append({**env, "command": C.command_line(), **r})
         print(
-            f"{setting}: {r['sass_total']} SASS instructions, {r['sass_fast_path']} on the fast "
-            f"path ({r['branches_left_out']} branches left out), "
-            f"{C.truncated(r['per_element_fast_path'], 2)} per "
-            f"element ({r['resources']})",
+            f"{setting}: {r['sass_total']} SASS instructions, "
+            f"{C.truncated(r['per_element'], 2)} per element ({r['resources']})",
             flush=True,
         )
-    base = records[0]["per_element_fast_path"]
+    base = records[0]["per_element"]
     table = [
-        "| setting | SASS (all) | fast path | branches left out | per element | MUFU per element "
+        "| setting | SASS | per element | MUFU per element "
         f"| per element vs {records[0]['setting']} | global loads (last at) | 128-bit loads at "
         "| ptxas |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         table.append(
-            f"| {r['setting']} | {r['sass_total']} | {r['sass_fast_path']} | "
-            f"{r['branches_left_out']} | {C.truncated(r['per_element_fast_path'], 2)} | "
-            f"{C.truncated(r['mufu_fast_path'] / r['elements_per_thread'], 2)} | "
-            f"{C.times(r['per_element_fast_path'] / base)} | "
+            f"| {r['setting']} | {r['sass_total']} | {C.truncated(r['per_element'], 2)} | "
+            f"{C.truncated(r['mufu'] / r['elements_per_thread'], 2)} | "
+            f"{C.times(r['per_element'] / base)} | "
             f"{r['loads']} ({C.truncated(100 * r['last_load_at'], 0)}%) | "
             f"{', '.join(f'{C.truncated(100 * x, 0)}%' for x in r['wide_loads_at'])} | "
             f"{r['resources']} |"
@@ -336,7 +282,7 @@ def main(argv=None):
         f"{head['ptxas_version']}, "
         f"{head['date']}. One thread's SASS (sm_90a) of the fused apply on a {SHAPE} "
         "float32 parameter, float32 gradients, E4M3 moments with expansion. Loads at: "
-        "positions in the fast path's instruction order (0% first, 100% last; truncated); "
+        "positions in the instruction order (0% first, 100% last; truncated); "
         "with a tile loop (`tN`) the listing holds the prologue and the loop body once, so per "
         "element counts one tile's elements against both.\n\n" + "\n".join(table)
     )

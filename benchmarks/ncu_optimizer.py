@@ -6,11 +6,10 @@ second launch::
 
     ncu --clock-control none --kernel-name coat_adamw_apply --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        python benchmarks/ncu_optimizer.py folded 16/4
+        python benchmarks/ncu_optimizer.py 16/4
 
-Arguments: ``folded`` or ``unfolded`` (``KernelConfig.folded``), then optionally
-``rows/warps`` (default 16/4); or one launch setting in ``bench_optimizer.parse_setting``'s
-syntax, e.g. ``16/4/t4/prefetch``.
+Argument: optionally one launch setting in ``bench_optimizer.parse_setting``'s syntax, e.g.
+``16/4/t4`` (default ``16/4``).
 """
 
 import sys
@@ -28,13 +27,9 @@ from pallas_kernels import coat_adam as ca  # noqa: E402
 
 
 def main(argv):
-    if not argv or len(argv) > 2:
-        raise SystemExit("usage: ncu_optimizer.py folded|unfolded [rows/warps] | SETTING")
-    if argv[0] in ("folded", "unfolded"):
-        setting = f"{argv[1] if len(argv) > 1 else '16/4'}/{argv[0]}"
-    else:
-        setting = argv[0]
-    cfg = parse_setting(setting)
+    if len(argv) > 1:
+        raise SystemExit("usage: ncu_optimizer.py [SETTING]")
+    cfg = parse_setting(argv[0] if argv else "16/4")
     spec = ca.MomentSpec()
     k1, k2 = jax.random.split(jax.random.key(0))
     shape = (4096, 11008)

@@ -3,8 +3,9 @@
 ``fp8_state(inner)`` is an ``optax.GradientTransformation`` that runs ``inner`` unchanged but
 keeps the parameter-shaped floating leaves of its state in FP8 between steps: each step
 dequantizes them to float32, calls ``inner.update`` and re-quantizes the new state, each leaf on
-its own, with coat_jax.quant's per-group codecs (Dynamic Range Expansion or plain absmax;
-docs/design.md, 'Groups of 128'). ``fp8_state(optax.adamw(...))`` is therefore the same algorithm
+its own, with the per-group FP8 state codec it shares with ``coat_adamw``
+(:mod:`coat_jax.state_codec`: Dynamic Range Expansion or plain absmax; docs/design.md, 'Groups
+of 128'). ``fp8_state(optax.adamw(...))`` is therefore the same algorithm
 as :func:`coat_jax.coat_adamw` (its ``implementation="xla"`` path), and the same storage serves
 ``optax.lion``, ``optax.sgd(momentum=...)``, ``optax.adafactor``, ``optax.contrib.muon`` and the
 rest.
@@ -54,8 +55,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from coat_jax import quant
-from coat_jax.optim import _replicated_like, _stat_sharding, _unbox, flatten_option
+from coat_jax import quant, state_codec
+from coat_jax.state_codec import StoredMoment
 
 ROLES = ("signed", "nonnegative")
 
@@ -79,15 +80,6 @@ class FP8State(NamedTuple):
 class _Codec(NamedTuple):
     fmt: str
     expansion: bool
-
-
-class _Leaf(NamedTuple):
-    """One inner-state leaf in stored form (statistics are MaskedNode where not quantized)."""
-
-    codes: Any
-    scale: Any
-    expand: Any
-    center: Any
 
 
 def _per_role(name: str, value, check) -> dict[str, Any]:
@@ -116,7 +108,7 @@ def _check_expansion(value) -> bool:
     return value
 
 
-def _field_name(prefix) -> str | None:
+def field_name(prefix) -> str | None:
     """The state field a leaf sits in: the last NamedTuple field or string dict key."""
     for key in reversed(prefix):
         if isinstance(key, jax.tree_util.GetAttrKey):
@@ -136,11 +128,11 @@ def _params_by_path(params, mask) -> dict[tuple, tuple[Any, bool]]:
     if mask is None:
         wanted = [True] * len(flat)
     else:
-        wanted = flatten_option(mask, params, treedef, name="mask", of="bools")
+        wanted = state_codec.flatten_option(mask, params, treedef, name="mask", of="bools")
     return {tuple(path): (p, bool(w)) for (path, p), w in zip(flat, wanted, strict=True)}
 
 
-def _owner(path, by_path, longest) -> tuple[Any, bool, int]:
+def owner(path, by_path, longest) -> tuple[Any, bool, int]:
     """``(param, wanted, n)``: the parameter whose full key path (of length ``n``) ends
     ``path``, the longest such; ``(None, False, 0)`` when there is none."""
     for n in range(min(longest, len(path)), -1, -1):
@@ -157,25 +149,23 @@ def _place(x, sharding):
     return jax.device_put(x, sharding)
 
 
-def _quantize(x, codec: _Codec, group_size: int, expand_min) -> _Leaf:
-    if codec.expansion:
-        q = quant.quantize_dre(x, group_size=group_size, fmt=codec.fmt, expand_min=expand_min)
-        return _Leaf(q.codes, q.scale, q.expand, q.center)
-    q = quant.quantize_absmax(x, group_size=group_size, fmt=codec.fmt)
-    return _Leaf(q.codes, q.scale, optax.MaskedNode(), optax.MaskedNode())
-
-
-def _dequantize(codes, scale, expand, center, group_size: int):
-    if isinstance(scale, optax.MaskedNode):
-        return codes
-    if isinstance(expand, optax.MaskedNode):
-        return quant.dequantize_absmax(codes, scale, group_size=group_size)
-    return quant.dequantize_dre(codes, scale, expand, center, group_size=group_size)
+def _quantize(x, codec: _Codec, group_size: int, expand_min) -> StoredMoment:
+    return state_codec.store(
+        state_codec.quantize(
+            x,
+            fmt=codec.fmt,
+            expansion=codec.expansion,
+            group_size=group_size,
+            expand_min=expand_min,
+        )
+    )
 
 
 def _split(leaves) -> FP8State:
     def field(i):
-        return jax.tree.map(lambda leaf: leaf[i], leaves, is_leaf=lambda x: isinstance(x, _Leaf))
+        return jax.tree.map(
+            lambda leaf: leaf[i], leaves, is_leaf=lambda x: isinstance(x, StoredMoment)
+        )
 
     return FP8State(*(field(i) for i in range(4)))
 
@@ -266,10 +256,10 @@ def fp8_state(
         longest = max((len(k) for k in by_path), default=0)
         # Where jit puts the leaves kept as they are (counts, ...) after an update: on the
         # parameters' mesh, replicated. Placing them there now keeps every leaf's sharding fixed.
-        replicated = _replicated_like(jax.tree.leaves(params))
+        replicated = state_codec.replicated_like(jax.tree.leaves(params))
 
         def store(path, leaf):
-            param, wanted, n = _owner(path, by_path, longest)
+            param, wanted, n = owner(path, by_path, longest)
             if (
                 not wanted
                 or not _is_floating(leaf)
@@ -281,17 +271,12 @@ def fp8_state(
                     sharding = getattr(param, "sharding", None)
                 else:
                     sharding = replicated
-                return _Leaf(
-                    _place(leaf, sharding),
-                    optax.MaskedNode(),
-                    optax.MaskedNode(),
-                    optax.MaskedNode(),
-                )
-            field = _field_name(path[: len(path) - n])
+                return state_codec.store(_place(leaf, sharding))
+            field = field_name(path[: len(path) - n])
             codec = codecs["nonnegative" if field in nonnegative else "signed"]
             q = _quantize(leaf, codec, group_size, expand_min)
-            stat_sharding = _stat_sharding(param, q.scale.shape)
-            return _Leaf(
+            stat_sharding = state_codec.stat_sharding(param, q.scale.shape)
+            return StoredMoment(
                 _place(q.codes, getattr(param, "sharding", None)),
                 *(
                     s if isinstance(s, optax.MaskedNode) else _place(s, stat_sharding)
@@ -303,14 +288,14 @@ def fp8_state(
 
     def update_fn(updates, state, params=None, **extra_args):
         def load(codes, scale, expand, center):
-            return _dequantize(codes, scale, expand, center, group_size)
+            return state_codec.dequantize(codes, scale, expand, center, group_size)
 
         inner_state = jax.tree.map(load, state.inner_state, state.scale, state.expand, state.center)
         updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
 
         def store(new, codes, scale, expand):
             if isinstance(scale, optax.MaskedNode):
-                return _Leaf(new, optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode())
+                return state_codec.store(new)
             codec = _Codec(quant.format_of(codes.dtype), not isinstance(expand, optax.MaskedNode))
             return _quantize(new, codec, group_size, expand_min)
 
@@ -334,7 +319,7 @@ def find_fp8_states(opt_state) -> list[tuple[str, FP8State]]:
     return [
         (
             jax.tree_util.keystr(path),
-            jax.tree.map(_unbox, s, is_leaf=lambda x: hasattr(x, "get_value")),
+            jax.tree.map(state_codec.unbox, s, is_leaf=lambda x: hasattr(x, "get_value")),
         )
         for path, s in flat
         if is_state(s)
@@ -382,9 +367,14 @@ def dequantized_state(opt_state, *, group_size: int = 128):
     ((_, state),) = found
     group_size = quant.check_group_size(group_size)
     return jax.tree.map(
-        lambda c, s, e, m: _dequantize(c, s, e, m, group_size),
+        lambda c, s, e, m: state_codec.dequantize(c, s, e, m, group_size),
         state.inner_state,
         state.scale,
         state.expand,
         state.center,
     )
+
+
+# The names coat_jax/training/telemetry.py imports; field_name and owner are public.
+_field_name = field_name
+_owner = owner

@@ -22,10 +22,11 @@ moments: scalars (no axis to group along), empty arrays, and those ``fp8_mask`` 
 
 Sharded parameters (docs/sharding.md): on several devices the Pallas kernel runs on each shard
 through ``shard_map`` once the optimizer knows the mesh: ``coat_adamw(..., mesh=mesh)``, with each
-parameter's ``PartitionSpec`` from ``partition_specs`` (default: the trainer's own rule,
-``pallas_kernels.sharding.param_shardings``). Inside ``jit`` the parameters are tracers whose
-placement XLA decides later, so the mesh has to be told; without it ``implementation="auto"``
-keeps multi-device programs on the jnp path, which XLA partitions like any jnp code.
+parameter's ``PartitionSpec`` from ``partition_specs`` (the trainer's rule:
+``pallas_kernels.sharding.fsdp_param_shardings`` with the model's layout). Inside ``jit`` the
+parameters are tracers whose placement XLA decides later, so the mesh has to be told; without it
+``implementation="auto"`` keeps multi-device programs on the jnp path, which XLA partitions like
+any jnp code.
 """
 
 from __future__ import annotations
@@ -38,15 +39,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from coat_jax import quant
+from coat_jax import quant, state_codec
+from coat_jax.fused_apply import (
+    FusedGradientTransformation,
+    GradScaleTransformation,
+    apply_gradients,
+    apply_gradients_at,
+    chain,
+    clip_by_global_norm,
+    clip_factor,
+    fused_in_place,
+)
 from pallas_kernels import coat_adam as kernels
 from pallas_kernels import stacks
-from pallas_kernels._dispatch import check_implementation
-from pallas_kernels.sharding import param_shardings
+from pallas_kernels.dispatch import check_implementation
 
 DEFAULT_GROUP_SIZE = 128
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "FusedGradientTransformation",
+    "GradScaleTransformation",
+    "ScaleByCoatAdam",
+    "ScaleByCoatAdamState",
+    "apply_gradients",
+    "apply_gradients_at",
+    "chain",
+    "clip_by_global_norm",
+    "clip_factor",
+    "coat_adamw",
+    "dequantized_moments",
+    "find_coat_states",
+    "fused_in_place",
+    "moments_of",
+    "scale_by_coat_adam",
+]
 
 
 class ScaleByCoatAdamState(NamedTuple):
@@ -61,6 +90,27 @@ class ScaleByCoatAdamState(NamedTuple):
     nu_scale: optax.Updates
     nu_expand: optax.Updates
     nu_center: optax.Updates
+
+
+class ScaleByCoatAdam(optax.GradientTransformation):
+    """What :func:`scale_by_coat_adam` returns: an ``optax.GradientTransformation`` (the pair
+    ``(init, update)``) that also carries its step.
+
+    Attributes:
+      step: ``(updates, state, params=None, decay=None, grad_scale=None, index=None)``:
+        ``update``, or with ``decay = (learning_rate, weight decay per leaf)`` the fused apply
+        that :func:`coat_adamw` runs: ``(new_params, new_state)``, the gradients multiplied by
+        ``grad_scale`` first (a scalar or ``None``) inside the kernel. With ``index`` (and
+        ``decay``), ``params`` and ``state`` are stacks (every leaf with a leading axis, the
+        step count included) and element ``index`` is updated in place.
+    """
+
+    step: Callable[..., tuple[Any, ScaleByCoatAdamState]]
+
+    def __new__(cls, init, update, step):
+        self = super().__new__(cls, init, update)
+        self.step = step
+        return self
 
 
 def _is_concrete_number(x) -> bool:
@@ -89,62 +139,14 @@ def _static_group_size(group_size) -> int:
     return quant.check_group_size(group_size)
 
 
-def flatten_option(option, params, treedef, *, name: str, of: str) -> list:
-    """The leaves of a per-parameter option (a tree like ``params``, or a callable returning one).
-
-    ``name`` and ``of`` only word the error: ``"fp8_mask"``, ``"bools"``.
-    """
-    tree = option(params) if callable(option) else option
-    try:
-        return treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{name} must be a tree of {of} with the parameters' structure (or a callable "
-            f"returning one); it does not match the parameters: {e}"
-        ) from None
-
-
 def _quantized_flags(params, fp8_mask) -> list[bool]:
     """Per leaf of ``params``: does it get FP8 moments?"""
     leaves, treedef = jax.tree.flatten(params)
     if fp8_mask is None:
         wanted = [True] * len(leaves)
     else:
-        wanted = flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
+        wanted = state_codec.flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
     return [bool(w) and p.ndim >= 1 and p.size > 0 for w, p in zip(wanted, leaves, strict=True)]
-
-
-def _stat_sharding(param, stat_shape):
-    """Where a parameter's per-group statistics live: its own sharding where the shapes allow."""
-    # Tracers first: asking a tracer for its sharding is slow (quadratic over a traced init).
-    if isinstance(param, jax.core.Tracer):
-        return None
-    sharding = getattr(param, "sharding", None)
-    if sharding is None:
-        return None
-    if isinstance(sharding, NamedSharding):
-        spec = list(sharding.spec) + [None] * (len(stat_shape) - len(sharding.spec))
-        axis_sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
-        for i, entry in enumerate(spec):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            ways = int(np.prod([axis_sizes[n] for n in names if n is not None]))
-            if stat_shape[i] % ways:
-                spec[i] = None
-        return NamedSharding(sharding.mesh, PartitionSpec(*spec))
-    if sharding.is_fully_replicated:
-        return sharding
-    return None
-
-
-def _replicated_like(leaves):
-    """A replicated sharding on the parameters' mesh, so the step count lives where they do."""
-    for p in leaves:
-        if isinstance(p, jax.core.Tracer):
-            return None
-        sharding = getattr(p, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            return NamedSharding(sharding.mesh, PartitionSpec())
-    return None
 
 
 def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant.QuantizedTensor:
@@ -152,10 +154,14 @@ def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant
     n = param.shape[-1]
     stat_shape = (*param.shape[:-1], quant.num_groups(n, spec.group_size))
     # What quantizing one all-zero group gives: the state starts as exactly quantize(0).
-    zero = kernels.quantize_moment(
-        jnp.zeros((spec.group_size,), jnp.float32), fmt, spec, expand_min
+    zero = state_codec.quantize(
+        jnp.zeros((spec.group_size,), jnp.float32),
+        fmt=fmt,
+        expansion=spec.expansion,
+        group_size=spec.group_size,
+        expand_min=expand_min,
     )
-    sharding = _stat_sharding(param, stat_shape)
+    sharding = state_codec.stat_sharding(param, stat_shape)
 
     def stat(value):
         return jnp.full(stat_shape, value[0], jnp.float32, device=sharding)
@@ -165,26 +171,6 @@ def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant
         return zero.replace(codes=codes, scale=stat(zero.scale))
     return zero.replace(
         codes=codes, scale=stat(zero.scale), expand=stat(zero.expand), center=stat(zero.center)
-    )
-
-
-def _unmask(x):
-    return None if isinstance(x, optax.MaskedNode) else x
-
-
-def _moment_of(codes, scale, expand, center, group_size: int):
-    """A moment as the step sees it, from its four state fields: a ``QuantizedTensor``, or the
-    float32 moment itself where ``*_codes`` holds it (its statistics are ``MaskedNode``)."""
-    if isinstance(scale, optax.MaskedNode):
-        return codes
-    return quant.QuantizedTensor(
-        codes,
-        scale,
-        _unmask(expand),
-        _unmask(center),
-        fmt=quant.format_of(codes.dtype),
-        granularity="group",
-        group_size=group_size,
     )
 
 
@@ -203,7 +189,7 @@ def scale_by_coat_adam(
     interpret: bool = False,
     mesh: Mesh | None = None,
     partition_specs: Any | Callable[[optax.Params], Any] | None = None,
-) -> optax.GradientTransformation:
+) -> ScaleByCoatAdam:
     r"""Rescales updates by Adam's rule, keeping both moments in FP8 (COAT).
 
     Per element, in float32, with ``m`` and ``v`` first dequantized and ``t`` the step (from 1)::
@@ -236,12 +222,14 @@ def scale_by_coat_adam(
         each shard (``shard_map``): no gather of parameters, gradients or state. ``None``: one
         device, or (with ``"auto"``) the jnp path on several.
       partition_specs: each parameter's ``PartitionSpec`` on ``mesh``: a tree like the
-        parameters, or a function of the parameters returning one. ``None``: the trainer's FSDP
-        rule (``pallas_kernels.sharding.param_shardings``; the mesh needs an ``"fsdp"``
-        axis). The state may live anywhere; XLA moves what differs from these specs.
+        parameters, or a function of the parameters returning one; required with ``mesh``
+        (the trainer's: ``pallas_kernels.sharding.fsdp_param_shardings`` with the model's
+        ``is_stacked`` rule). The state may live anywhere; XLA moves what differs from these
+        specs.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`ScaleByCoatAdamState`.
+      A :class:`ScaleByCoatAdam` (an ``optax.GradientTransformation``) whose state is a
+      :class:`ScaleByCoatAdamState`.
 
     Example:
       >>> import jax.numpy as jnp, optax, coat_jax
@@ -281,15 +269,11 @@ def scale_by_coat_adam(
             else:
                 mus.append(jnp.zeros_like(p, dtype=jnp.float32))
                 nus.append(jnp.zeros_like(p, dtype=jnp.float32))
-        count = jnp.zeros([], jnp.int32, device=_replicated_like(leaves))
+        count = jnp.zeros([], jnp.int32, device=state_codec.replicated_like(leaves))
         return _state_from_leaves(count, treedef, mus, nus)
 
     def step(updates, state, params=None, decay=None, grad_scale=None, index=None):
-        """One step: ``(updates, new_state)``; with ``decay = (learning_rate, weight decay per
-        leaf)`` the update is applied to ``params`` too: ``(new_params, new_state)``, the
-        gradients multiplied by ``grad_scale`` first (a scalar or ``None``) inside the kernel.
-        With ``index`` (and ``decay``), ``params`` and ``state`` are stacks (every leaf with a
-        leading axis, the step count included) and element ``index`` is updated in place."""
+        # See ScaleByCoatAdam.step.
         if grad_scale is not None and decay is None:
             raise ValueError("grad_scale is folded into the fused apply only: pass decay too")
         if index is not None and decay is None:
@@ -306,8 +290,8 @@ def scale_by_coat_adam(
             leaves,
             ps,
             decays,
-            _moments_of(state, treedef, "mu", spec.group_size),
-            _moments_of(state, treedef, "nu", spec.group_size),
+            moments_of(state, treedef, "mu", spec.group_size),
+            moments_of(state, treedef, "nu", spec.group_size),
             partitions,
             strict=True,
         ):
@@ -363,9 +347,7 @@ def scale_by_coat_adam(
         del params
         return step(updates, state)
 
-    # coat_adamw's fused apply runs the same step with its learning rate and weight decay.
-    update_fn.step = step
-    return optax.GradientTransformation(init_fn, update_fn)
+    return ScaleByCoatAdam(init_fn, update_fn, step)
 
 
 def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
@@ -373,14 +355,13 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
     if mesh is None:
         return [None] * treedef.num_leaves
     if partition_specs is None:
-        if "fsdp" not in mesh.axis_names:
-            raise ValueError(
-                f"coat_adamw(mesh=...) derives each parameter's spec by the FSDP rule, which "
-                f"needs an 'fsdp' mesh axis; the mesh has {list(mesh.axis_names)}. Pass "
-                "partition_specs (a tree of PartitionSpecs like the parameters)"
-            )
-        partition_specs = jax.tree.map(lambda s: s.spec, param_shardings(updates, mesh))
-    specs = flatten_option(
+        raise ValueError(
+            "coat_adamw(mesh=...) needs partition_specs: each parameter's PartitionSpec on the "
+            "mesh (a tree like the parameters, or a function of them), e.g. the specs of "
+            "pallas_kernels.sharding.fsdp_param_shardings(params, mesh, is_stacked=...) with "
+            "the model's layout rule"
+        )
+    specs = state_codec.flatten_option(
         partition_specs, updates, treedef, name="partition_specs", of="PartitionSpecs"
     )
     for s in specs:
@@ -395,22 +376,9 @@ def _named_format(name: str, fmt) -> str:
     return fmt
 
 
-def _masked_moment(m) -> tuple:
-    """A moment's four state fields (the inverse of :func:`_moment_of`): a ``QuantizedTensor``'s
-    codes and statistics, ``MaskedNode`` for absent ones; a float32 moment in ``*_codes``."""
-    if not isinstance(m, quant.QuantizedTensor):
-        return m, optax.MaskedNode(), optax.MaskedNode(), optax.MaskedNode()
-    return (
-        m.codes,
-        m.scale,
-        optax.MaskedNode() if m.expand is None else m.expand,
-        optax.MaskedNode() if m.center is None else m.center,
-    )
-
-
 def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     def field(moments, i):
-        return treedef.unflatten([_masked_moment(m)[i] for m in moments])
+        return treedef.unflatten([state_codec.store(m)[i] for m in moments])
 
     return ScaleByCoatAdamState(
         count,
@@ -419,10 +387,17 @@ def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     )
 
 
-def _moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: int) -> list:
+def moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: int) -> list:
+    """The moments ``prefix`` (``"mu"`` or ``"nu"``) of ``state``, one per leaf of ``treedef``:
+    each a ``QuantizedTensor``, or the float32 moment (``coat_jax.state_codec.load``)."""
     fields = [getattr(state, f"{prefix}_{name}") for name in ("codes", "scale", "expand", "center")]
     per_field = [treedef.flatten_up_to(f) for f in fields]
-    return [_moment_of(*parts, group_size) for parts in zip(*per_field, strict=True)]
+    return [state_codec.load(*parts, group_size) for parts in zip(*per_field, strict=True)]
+
+
+# The names coat_jax/training/telemetry.py imports; moments_of and state_codec.load are public.
+_moments_of = moments_of
+_moment_of = state_codec.load
 
 
 def coat_adamw(
@@ -443,7 +418,7 @@ def coat_adamw(
     interpret: bool = False,
     mesh: Mesh | None = None,
     partition_specs: Any | Callable[[optax.Params], Any] | None = None,
-) -> optax.GradientTransformation:
+) -> FusedGradientTransformation:
     r"""AdamW with FP8 moments (COAT): ``optax.adamw``'s signature and math, quantized state.
 
     ``chain(scale_by_coat_adam(...), add_decayed_weights(weight_decay, mask),
@@ -461,9 +436,11 @@ def coat_adamw(
         interpret, mesh, partition_specs: see :func:`scale_by_coat_adam`.
 
     Returns:
-      An ``optax.GradientTransformation`` with a fused apply: :func:`apply_gradients` then
-      updates each parameter in the kernel's own pass (the result of ``update`` followed by
-      ``optax.apply_updates``, to float32 rounding).
+      A :class:`~coat_jax.fused_apply.FusedGradientTransformation`: an optax transformation
+      whose :func:`apply_gradients` updates each parameter in the kernel's own pass (the result
+      of ``update`` followed by ``optax.apply_updates``, to float32 rounding). Behind other
+      transformations, chain with :func:`coat_jax.optim.chain` to keep that (``optax.chain``
+      works too, without the fused apply; see :mod:`coat_jax.fused_apply`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, coat_jax
@@ -489,7 +466,7 @@ def coat_adamw(
         mesh=mesh,
         partition_specs=partition_specs,
     )
-    step = scale.update.step
+    step = scale.step
     tx = optax.chain(
         scale,
         optax.add_decayed_weights(weight_decay, mask),
@@ -522,7 +499,7 @@ def coat_adamw(
                     "mask must be a tree of bools like the parameters or a prefix of them (or a "
                     f"callable returning one); it does not match the parameters: {e}"
                 ) from None
-            flags = flatten_option(tree, params, treedef, name="mask", of="bools")
+            flags = state_codec.flatten_option(tree, params, treedef, name="mask", of="bools")
             decays = [weight_decay if m else 0.0 for m in flags]
         new_params, coat_state = step(
             grads, coat_state, params, decay=(lr, decays), grad_scale=grad_scale, index=index
@@ -532,7 +509,10 @@ def coat_adamw(
     def apply_at_fn(grads, state, params, index):
         return apply_fn(grads, state, params, index=index)
 
-    return _with_apply(tx, apply_fn, apply_at_fn)
+    # coat_jax/training/layerwise.py reads this attribute to choose the in-place step; once it
+    # asks coat_jax.optim.fused_in_place(tx) instead, the attribute goes.
+    tx.update.apply_at = apply_at_fn
+    return FusedGradientTransformation(tx.init, tx.update, apply_fn, apply_at_fn)
 
 
 def _tick(count, index):
@@ -543,164 +523,11 @@ def _tick(count, index):
     return before, after, after if index is None else stacks.put_element(count, after, index)
 
 
-def _with_apply(tx: optax.GradientTransformation, apply_fn: Callable, apply_at_fn=None):
-    """``tx`` whose ``update`` carries ``apply_fn`` (read by :func:`apply_gradients`) and, if
-    given, ``apply_at_fn`` (read by :func:`apply_gradients_at`)."""
-
-    def update(updates, state, params=None, **extra_args):
-        return tx.update(updates, state, params, **extra_args)
-
-    update.apply = apply_fn
-    if apply_at_fn is not None:
-        update.apply_at = apply_at_fn
-    return optax.GradientTransformationExtraArgs(tx.init, update)
-
-
-def apply_gradients(tx: optax.GradientTransformation, grads, state, params):
-    """One optimizer step: ``(new_params, new_state)``.
-
-    ``tx.update`` followed by ``optax.apply_updates``, except for a transformation with a fused
-    apply (:func:`coat_adamw`, alone or as the last of :func:`chain`): then its kernel reads each
-    parameter and writes the new one in the same pass that updates the FP8 moments, so the
-    update never reaches memory (Llama-2-7B tree on one H200: 35.72 ms against 47.21 ms for
-    update and apply, docs/benchmarks.md). The state is the same as ``tx.update``'s, so the two
-    ways mix freely and share checkpoints. The results agree to float32 rounding: the fused way
-    applies weight decay and the learning rate in float32 where optax first rounds an update
-    without weight decay to the gradient's dtype.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, coat_jax
-      >>> params = {"w": jnp.zeros((8, 128))}
-      >>> tx = coat_jax.optim.chain(optax.clip_by_global_norm(1.0), coat_jax.coat_adamw(1e-3))
-      >>> state = tx.init(params)
-      >>> params, state = coat_jax.apply_gradients(tx, {"w": jnp.ones((8, 128))}, state, params)
-    """
-    fused = getattr(tx.update, "apply", None)
-    if fused is not None:
-        return fused(grads, state, params)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-
-def apply_gradients_at(tx: optax.GradientTransformation, grads, state, params, index):
-    """:func:`apply_gradients` on element ``index`` of stacked parameters and state.
-
-    ``params`` and ``state`` are stacks: every leaf has a leading axis, as ``jax.vmap(tx.init)``
-    of one element's parameters makes them (a scanned model's layers, updated one layer at a
-    time inside the backward pass: ``optimizer_in_backward``); ``grads`` is one element's
-    gradient. Returns the whole stacks, element ``index`` stepped, the others unchanged.
-    :func:`coat_adamw`'s kernel reads and writes that element inside the stacks, so a step that
-    donates them copies no slice out and none back; any other ``tx`` is applied to the slices,
-    which are then written back.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, coat_jax
-      >>> tx = coat_jax.coat_adamw(1e-3)
-      >>> stack = {"w": jnp.zeros((3, 8, 128))}
-      >>> state = jax.vmap(tx.init)(stack)
-      >>> grads = {"w": jnp.ones((8, 128))}
-      >>> stack, state = coat_jax.optim.apply_gradients_at(tx, grads, state, stack, 1)
-      >>> [round(float(stack["w"][i].sum()), 3) for i in range(3)]
-      [0.0, -1.024, 0.0]
-    """
-    fused = getattr(tx.update, "apply_at", None)
-    if fused is not None:
-        return fused(grads, state, params, index)
-    return stacks.step_element(
-        lambda ps: apply_gradients(tx, grads, ps[1], ps[0]), (params, state), index
-    )
-
-
-def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``optax.chain`` that keeps the last transformation's fused apply.
-
-    When the last of ``transforms`` is :func:`coat_adamw` (or another chain ending in it),
-    :func:`apply_gradients` runs the others' updates on the gradients (clipping, say) and then its
-    fused apply. When every other transformation only scales the gradient by a scalar
-    (:func:`clip_by_global_norm`), the scalar goes to the kernel instead, which multiplies each
-    gradient as it reads it: no pass of its own over the gradient (Llama-2-7B, H200: optax's
-    clip wrote the whole float32 gradient once more, 12 ms of a 214 ms step). The state is
-    ``optax.chain``'s.
-    """
-    tx = optax.chain(*transforms)
-    last = getattr(transforms[-1].update, "apply", None) if transforms else None
-    if last is None:
-        return tx
-    scales = [getattr(t.update, "grad_scale", None) for t in transforms[:-1]]
-
-    def apply_fn(grads, state, params, grad_scale=None):
-        # ``grad_scale``: the factor of an enclosing chain's scaling transformations.
-        if all(f is not None for f in scales):
-            factor = grad_scale
-            for f in scales:
-                factor = f(grads, factor)
-            new_params, s = last(grads, state[-1], params, grad_scale=factor)
-            return new_params, (*state[:-1], s)
-        if grad_scale is not None:
-            grads = _scaled(grads, grad_scale)
-        states = []
-        for t, s in zip(transforms[:-1], state[:-1], strict=True):
-            grads, s = t.update(grads, s, params)
-            states.append(s)
-        new_params, s = last(grads, state[-1], params)
-        return new_params, (*states, s)
-
-    return _with_apply(tx, apply_fn)
-
-
-def _scaled(grads, factor):
-    return jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
-
-
-def clip_factor(norm, max_norm) -> jax.Array:
-    """What :func:`clip_by_global_norm` multiplies every gradient by: 1 while the global
-    ``norm`` is below ``max_norm``, else ``max_norm / norm`` (float32)."""
-    norm = jnp.asarray(norm, jnp.float32)
-    return jnp.where(norm < max_norm, jnp.float32(1.0), max_norm / norm).astype(jnp.float32)
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """``optax.clip_by_global_norm`` (the same state and trigger) that :func:`chain` can fold
-    into :func:`coat_adamw`'s fused apply as a gradient scale.
-
-    Each gradient is multiplied by :func:`clip_factor` of the global norm, by its ``update`` and
-    by the fused kernel alike, so the two ways clip identically (for float32 gradients bit for
-    bit). optax divides by the norm and multiplies by ``max_norm``: the clipped gradients agree
-    with optax's to float32 rounding.
-
-    Example:
-      >>> import jax.numpy as jnp, coat_jax
-      >>> tx = coat_jax.optim.chain(clip_by_global_norm(1.0), coat_jax.coat_adamw(1e-3))
-      >>> params = {"w": jnp.zeros((8, 128))}
-      >>> params, _ = coat_jax.apply_gradients(tx, {"w": jnp.ones((8, 128))}, tx.init(params), params)
-    """
-
-    def grad_scale(grads, factor=None):
-        """The clip factor of ``grads`` already multiplied by ``factor`` (``None``: 1)."""
-        norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-        if factor is not None:
-            norm = norm * jnp.abs(factor)
-        scale = clip_factor(norm, max_norm)
-        return scale if factor is None else scale * factor
-
-    def update(updates, state, params=None, **extra_args):
-        del params, extra_args
-        return _scaled(updates, grad_scale(updates)), state
-
-    update.grad_scale = grad_scale
-    return optax.GradientTransformationExtraArgs(optax.clip_by_global_norm(max_norm).init, update)
-
-
-def _unbox(x):
-    # nnx.Optimizer wraps state leaves in nnx.Variable boxes.
-    return x.get_value() if hasattr(x, "get_value") else x
-
-
 def find_coat_states(opt_state) -> list[ScaleByCoatAdamState]:
     """Every :class:`ScaleByCoatAdamState` inside an optimizer state (chains, wrappers, nnx)."""
     found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByCoatAdamState))
     return [
-        jax.tree.map(_unbox, s, is_leaf=lambda x: hasattr(x, "get_value"))
+        jax.tree.map(state_codec.unbox, s, is_leaf=lambda x: hasattr(x, "get_value"))
         for s in found
         if isinstance(s, ScaleByCoatAdamState)
     ]
@@ -735,7 +562,7 @@ def dequantized_moments(opt_state, *, group_size: int = DEFAULT_GROUP_SIZE):
         return treedef.unflatten(
             [
                 m.dequantize() if isinstance(m, quant.QuantizedTensor) else m
-                for m in _moments_of(state, treedef, prefix, group_size)
+                for m in moments_of(state, treedef, prefix, group_size)
             ]
         )
 

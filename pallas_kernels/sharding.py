@@ -12,14 +12,15 @@ sharding XLA decides later (outside explicit-sharding mode), so
   split along their leading (batch) axis over ``batch_axes`` and replicated over the other mesh
   axes; weights are split by the FSDP rule of :func:`fsdp_spec` (the trainer's layout) over
   ``param_axis``;
-* the optimizer takes ``mesh=`` and, per parameter, a ``PartitionSpec`` (by default the same FSDP
-  rule, which keeps whole quantization groups on each shard), and :func:`group_aligned_spec`
-  adapts any other spec to the groups.
+* the optimizer takes ``mesh=`` and, per parameter, a ``PartitionSpec``, and
+  :func:`group_aligned_spec` adapts any spec to the quantization groups.
 
 The trainer (``coat_jax.training``) passes its ``(data, fsdp)`` mesh to both whenever the
-process has several devices; docs/sharding.md describes the whole layout. The parameters' own
-layout (:func:`param_shardings`) lives here too, so that the optimizer's default specs and the
-trainer's shardings come from one rule and neither imports the other (docs/design.md, 'Layers').
+process has several devices; docs/sharding.md describes the whole layout. The FSDP rule for a
+tree of parameters (:func:`fsdp_param_shardings`) lives here too, so that the optimizer's specs
+and the trainer's shardings come from one rule and neither imports the other (docs/design.md,
+'Layers'); which parameters are stacks of layers is the model's rule, passed in as
+``is_stacked``.
 
 A shape the sharded kernel cannot take (a batch axis the batch devices do not divide) raises
 ``NotImplementedError``, so ``implementation="auto"`` falls back to the XLA reference, which XLA
@@ -31,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax import lax
@@ -221,39 +224,44 @@ def fsdp_rule(shape: tuple[int, ...], mesh: Mesh, axis: str = "fsdp") -> Partiti
     return PartitionSpec(*[axis if entry == "fsdp" else entry for entry in spec])
 
 
-def _is_stacked_layer(path) -> bool:
-    """A leaf of the scanned layout's ``layers`` (leading axis: the layer index)."""
-    keys = [getattr(k, "key", None) for k in path]
-    return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)
-
-
-def param_spec(path, shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
+def fsdp_param_spec(
+    path, shape: tuple[int, ...], fsdp_size: int, *, is_stacked: Callable[[Any], bool]
+) -> PartitionSpec:
     """:func:`fsdp_spec`, except that a stacked layer axis is never split.
 
     A scan takes one layer per iteration; splitting the layer axis would put whole layers on
     single devices instead of splitting every layer's weights across the ``fsdp`` axis.
 
+    Args:
+      path: the parameter's key path in its tree (as ``jax.tree_util`` gives it).
+      shape: the parameter's shape.
+      fsdp_size: the size of the ``fsdp`` mesh axis.
+      is_stacked: the model's layout rule: whether the parameter at ``path`` is a stack whose
+        leading axis indexes layers (the model knows its own tree; the kernels do not).
+
     Example:
       >>> from jax.tree_util import DictKey
-      >>> param_spec((DictKey("layers"), DictKey("w_up")), (32, 4096, 11008), 8)
+      >>> stacked = lambda path: path[0].key == "layers"
+      >>> fsdp_param_spec((DictKey("layers"), DictKey("w_up")), (32, 4096, 11008), 8,
+      ...                 is_stacked=stacked)
       P(None, 'fsdp', None)
-      >>> param_spec((DictKey("lm_head"),), (4096, 32000), 8)
+      >>> fsdp_param_spec((DictKey("lm_head"),), (4096, 32000), 8, is_stacked=stacked)
       P('fsdp', None)
     """
-    if _is_stacked_layer(path) and shape:
+    if shape and is_stacked(path):
         return PartitionSpec(None, *fsdp_spec(shape[1:], fsdp_size))
     return fsdp_spec(shape, fsdp_size)
 
 
-def param_shardings(abstract_params, mesh: Mesh):
-    """Each parameter's ``NamedSharding`` on ``mesh`` by :func:`param_spec` over ``"fsdp"``.
-
-    The trainer lays its parameters out by this rule (``coat_jax.training.sharding`` re-exports
-    it) and ``coat_adamw(mesh=...)`` takes its default partition specs from it, so both agree.
-    """
+def fsdp_param_shardings(abstract_params, mesh: Mesh, *, is_stacked: Callable[[Any], bool]):
+    """Each parameter's ``NamedSharding`` on ``mesh`` by :func:`fsdp_param_spec` over
+    ``"fsdp"``, with the model's layout rule ``is_stacked`` (see there)."""
     fsdp = mesh.shape["fsdp"]
     return jax.tree_util.tree_map_with_path(
-        lambda path, p: NamedSharding(mesh, param_spec(path, p.shape, fsdp)), abstract_params
+        lambda path, p: NamedSharding(
+            mesh, fsdp_param_spec(path, p.shape, fsdp, is_stacked=is_stacked)
+        ),
+        abstract_params,
     )
 
 
@@ -297,3 +305,24 @@ def over_batch(in_kinds: str, out_kinds: str):
         return wrapped
 
     return decorate
+
+
+# Llama's layout rule and the two functions with it, for coat_jax.training's current imports
+# (coat_jax/training/sharding.py): remove this block once the trainer passes the model's rule to
+# fsdp_param_spec / fsdp_param_shardings.
+
+
+def _is_stacked_layer(path) -> bool:
+    """A leaf of the scanned layout's ``layers`` (leading axis: the layer index)."""
+    keys = [getattr(k, "key", None) for k in path]
+    return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)
+
+
+def param_spec(path, shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
+    """:func:`fsdp_param_spec` with Llama's layout rule."""
+    return fsdp_param_spec(path, shape, fsdp_size, is_stacked=_is_stacked_layer)
+
+
+def param_shardings(abstract_params, mesh: Mesh):
+    """:func:`fsdp_param_shardings` with Llama's layout rule."""
+    return fsdp_param_shardings(abstract_params, mesh, is_stacked=_is_stacked_layer)

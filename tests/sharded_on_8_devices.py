@@ -1,4 +1,4 @@
-"""Pallas kernels on operands sharded over 8 CPU devices, against one device (issue 16).
+"""Pallas kernels on operands sharded over 8 CPU devices, against one device.
 
 Run by tests/test_sharded_kernels.py in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the flag must be set before JAX starts).
@@ -23,7 +23,7 @@ import pytest
 import coat_jax
 from coat_jax import fp8_ops
 from coat_jax.training import sharding
-from pallas_kernels import _dispatch, fp8_act, fp8_quant
+from pallas_kernels import dispatch, fp8_act, fp8_quant
 from pallas_kernels.sharding import KernelMesh, group_aligned_spec
 from tests.jaxprs import pallas_calls
 from tests.tiny_runs import tiny_run
@@ -60,8 +60,8 @@ def _equal(a, b, what=""):
 
 
 def test_auto_needs_a_mesh_on_several_devices():
-    assert _dispatch.candidates("auto", interpret=True) == ("xla",)
-    assert _dispatch.candidates("auto", interpret=True, mesh=KMESH) == ("pallas", "xla")
+    assert dispatch.candidates("auto", interpret=True) == ("xla",)
+    assert dispatch.candidates("auto", interpret=True, mesh=KMESH) == ("pallas", "xla")
 
 
 def test_trainer_rule_keeps_whole_groups_and_group_aligned_specs_adapt_others():
@@ -88,6 +88,11 @@ def _tree(seed, scale=1.0):
 
 
 def _optimizer(mesh, partition_specs=None):
+    """``coat_adamw`` on ``mesh``; ``partition_specs`` ``None``: the trainer's rule."""
+    if mesh is not None and partition_specs is None:
+        partition_specs = lambda params: jax.tree.map(  # noqa: E731
+            lambda s: s.spec, sharding.param_shardings(params, mesh)
+        )
     return coat_jax.coat_adamw(
         1e-2,
         weight_decay=0.1,
@@ -100,7 +105,7 @@ def _optimizer(mesh, partition_specs=None):
 
 def _sharded_step(specs):
     """The optimizer step jitted on ``MESH`` with parameters, gradients and state laid out as
-    ``specs`` (``None``: the trainer's rule, which the optimizer also derives itself)."""
+    ``specs`` (``None``: the trainer's rule)."""
     tx = _optimizer(MESH, specs)
     params = _tree(0)
     if specs is None:

@@ -93,7 +93,11 @@ def _pallas_kernel_names(path: Path) -> set[str]:
 
 @pytest.mark.parametrize(
     "module, category",
-    [("fp8_act.py", "fp8_pallas"), ("fp8_quant.py", "fp8_pallas"), ("coat_adam.py", "optimizer")],
+    [
+        ("fp8_act/pallas_triton.py", "fp8_pallas"),
+        ("fp8_quant/pallas_triton.py", "fp8_pallas"),
+        ("coat_adam/pallas_triton.py", "optimizer"),
+    ],
 )
 def test_our_pallas_kernels_are_classified_by_their_names(module, category):
     path = REPO / "pallas_kernels" / module

@@ -1,4 +1,4 @@
-"""The one kernel dispatcher (pallas_kernels/_dispatch.py) on odd shapes, for every op.
+"""The one kernel dispatcher (pallas_kernels/dispatch.py) on odd shapes, for every op.
 
 For each op: ``"xla"`` is the reference; ``"auto"`` runs the Pallas kernel where it applies and
 falls back to the reference where the kernel raises ``NotImplementedError``; ``"pallas"`` raises
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _dispatch, fp8_act, fp8_quant
 from pallas_kernels import coat_adam as ca
+from pallas_kernels import dispatch, fp8_act, fp8_quant
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -87,14 +87,14 @@ def test_activation_ops_on_odd_shapes(shape):
 
 def test_candidates():
     if not ON_GPU:
-        assert _dispatch.candidates("auto", interpret=False) == ("xla",)
+        assert dispatch.candidates("auto", interpret=False) == ("xla",)
         with pytest.raises(ValueError, match="interpret=True"):
             fp8_quant.quantize_per_group(_data((4, 32)), implementation="pallas")
-    assert _dispatch.candidates("auto", interpret=True) == ("pallas", "xla")
-    assert _dispatch.candidates("pallas", interpret=False) == ("pallas",)
-    assert _dispatch.candidates("xla", interpret=True) == ("xla",)
+    assert dispatch.candidates("auto", interpret=True) == ("pallas", "xla")
+    assert dispatch.candidates("pallas", interpret=False) == ("pallas",)
+    assert dispatch.candidates("xla", interpret=True) == ("xla",)
     with pytest.raises(ValueError, match="valid values"):
-        _dispatch.candidates("mosaic", interpret=False)
+        dispatch.candidates("mosaic", interpret=False)
 
 
 def _moments(shape, spec):

@@ -478,3 +478,13 @@ def test_bad_options_raise(kwargs, match):
 def test_dequantized_moments_needs_one_coat_state():
     with pytest.raises(ValueError, match="exactly one"):
         coat_jax.dequantized_moments(optax.adam(1e-3).init({"w": jnp.ones(3)}))
+
+
+def test_a_mesh_needs_the_callers_partition_specs():
+    """The optimizer knows no model's parameter layout: on a mesh, its caller names each
+    parameter's spec (the trainer: fsdp_param_shardings with the model's is_stacked rule)."""
+    mesh = jax.make_mesh((1, 1), ("data", "fsdp"))
+    tx = coat_jax.coat_adamw(1e-3, implementation="xla", mesh=mesh)
+    params = {"w": jnp.ones((8, 128))}
+    with pytest.raises(ValueError, match="needs partition_specs"):
+        tx.update(params, tx.init(params), params)

@@ -1,4 +1,4 @@
-"""The fused Pallas COAT AdamW kernel against the jnp reference (pallas_kernels/coat_adam.py).
+"""The fused Pallas COAT AdamW kernel against the jnp reference (pallas_kernels/coat_adam/).
 
 Every test runs on the backend at hand: in interpret mode on a CPU (CI), on the real Triton
 backend on a GPU (``pytest -m gpu`` there). Shapes are tiny because interpret mode is slow; they
@@ -15,6 +15,7 @@ import pytest
 import coat_jax
 from coat_jax import quant
 from pallas_kernels import coat_adam as ca
+from pallas_kernels.coat_adam import pallas_triton, pallas_triton_math
 
 ON_GPU = jax.default_backend() == "gpu"
 BACKENDS = [
@@ -28,11 +29,6 @@ HYPER = dict(b1=0.9, b2=0.999, eps=1e-8, expand_min=16)
 STEPS = 4
 # Codes may differ at rounding ties only: by one code, in at most this fraction of elements.
 MAX_TIE_FRACTION = 0.005
-# The kernel's two forms of the arithmetic (KernelConfig.folded).
-FORMS = [
-    pytest.param(ca.KernelConfig(folded=False), id="unfolded"),
-    pytest.param(ca.KernelConfig(folded=True), id="folded"),
-]
 
 
 def _zero_moment(shape, fmt, spec):
@@ -145,11 +141,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode", BACKENDS)
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape,expansion,mu_format,nu_format,dtype", CASES)
-def test_kernel_matches_reference(mode, form, shape, expansion, mu_format, nu_format, dtype):
+def test_kernel_matches_reference(mode, shape, expansion, mu_format, nu_format, dtype):
     spec = ca.MomentSpec(mu_format=mu_format, nu_format=nu_format, expansion=expansion)
-    step = _step_fn(mode, spec, form)
+    step = _step_fn(mode, spec)
     mu, nu = _zero_moment(shape, mu_format, spec), _zero_moment(shape, nu_format, spec)
     grads = _fixed_sign_grads(jax.random.key(sum(shape)), shape, dtype, STEPS)
     for t, g in enumerate(grads, start=1):
@@ -192,7 +187,6 @@ LAUNCH_VARIANTS = [
     ca.KernelConfig(flat_stats=False),
     ca.KernelConfig(block_rows=4, tiles=4),
     ca.KernelConfig(block_rows=2, tiles=2, flat_stats=True, num_stages=2),
-    ca.KernelConfig(block_rows=4, tiles=4, prefetch=True),
 ]
 
 
@@ -236,79 +230,13 @@ def test_flat_statistics_and_tile_loops_equal_the_default_launch(mode, config, s
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["no_prefetch", "prefetch"])
-def test_prefetch_carries_the_next_tiles_inputs_through_the_loop(prefetch):
-    """``KernelConfig.prefetch`` changes the loop itself (the equality test above cannot see
-    whether it did): the tile loop carries the next tile's loaded inputs (gradient, both
-    moments' codes and statistics, parameter), and nothing without it."""
-    from tests import jaxprs
-
-    spec = ca.MomentSpec(nu_format="e5m2")
-    shape = (64, 256)  # 128 groups: 4 programs of 4 tiles of 8 groups
-    config = ca.KernelConfig(block_rows=8, tiles=4, prefetch=prefetch)
-    kw = dict(learning_rate=1e-3, weight_decay=0.1, spec=spec, **HYPER)
-    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
-    jaxpr = jax.make_jaxpr(_apply_fn("interpret", config, kw))(
-        jnp.zeros(shape), jnp.zeros(shape), mu, nu, jnp.int32(1)
-    )
-    loops = [e for e in jaxprs.equations(jaxpr.jaxpr) if e.primitive.name in ("scan", "while")]
-    assert len(loops) == 1
-    (loop,) = loops
-    # A fori_loop's results are its carry (a scan over no inputs stacks no outputs); its
-    # parameter names differ between JAX versions (0.11 has no ``num_consts``), its results don't.
-    carried = [v.aval for v in loop.outvars]
-    tiles = [(str(a.dtype), a.shape) for a in carried if a.ndim == 2]
-    tile, stat = (8, 128), (8, 1)
-    want = [("float32", tile)]
-    want += [("float8_e4m3fn", tile)] + [("float32", stat)] * 3
-    want += [("float8_e5m2", tile)] + [("float32", stat)] * 3
-    want += [("float32", tile)]
-    assert tiles == (want if prefetch else [])
-
-
 @pytest.mark.parametrize("mode", BACKENDS)
-@pytest.mark.parametrize("folded", [True, False], ids=["folded", "unfolded"])
-@pytest.mark.parametrize("grad_scale", [None, 0.37], ids=["no_clip", "clip"])
-def test_folded_and_unfolded_powers_match_the_reference(mode, folded, grad_scale):
-    """``KernelConfig.folded`` and the operation-by-operation arithmetic (the default) both meet
-    the reference's bounds over several fused-apply steps, with and without a clip factor (which
-    the folded form moves into scalars); the two forms really compute differently (interpret
-    mode: some output differs in its low bits)."""
-    spec = ca.MomentSpec(nu_format="e5m2")
-    shape = (9, 384)
-    kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
-
-    step = _apply_fn(mode, ca.KernelConfig(folded=folded), kw)
-    other = _apply_fn(mode, ca.KernelConfig(folded=not folded), kw)
-    p = jax.random.normal(jax.random.key(21), shape, jnp.float32)
-    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
-    differs = False
-    grads = _fixed_sign_grads(jax.random.key(22), shape, jnp.bfloat16, 3)
-    for t, g in enumerate(grads, start=1):
-        got = step(p, g, mu, nu, jnp.int32(t))
-        alt = other(p, g, mu, nu, jnp.int32(t))
-        differs |= any(
-            not np.array_equal(np.asarray(a), np.asarray(b))
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(alt), strict=True)
-        )
-        p_ref, mu, nu = ca.coat_adamw_apply_reference(p, g, mu, nu, count=jnp.int32(t), **kw)
-        np.testing.assert_allclose(got[0], p_ref, rtol=1e-6, atol=3e-3 * _update_rtol(g.dtype))
-        for moment, ref, name in ((got[1], mu, "mu"), (got[2], nu, "nu")):
-            _assert_codes_match(moment.codes, ref.codes, f"step {t} {name}")
-            _assert_stats_match(moment, ref, f"step {t} {name}")
-        p = p_ref
-    if mode == "interpret":
-        assert differs, "folded and unfolded gave identical outputs: is the option wired?"
-
-
-@pytest.mark.parametrize("mode", BACKENDS)
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape,expansion", [((5, 300), True), ((3, 256), False)])
-def test_kernel_matches_reference_with_cancellation(mode, form, shape, expansion):
+def test_kernel_matches_reference_with_cancellation(mode, shape, expansion):
     """Random-sign gradients: m passes through zero, so its smallest values are ill conditioned;
     codes still agree up to ties and updates to float32 rounding of the largest update."""
     spec = ca.MomentSpec(expansion=expansion, nu_format="e5m2")
-    step = _step_fn(mode, spec, form)
+    step = _step_fn(mode, spec)
     mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
     for t, key in enumerate(jax.random.split(jax.random.key(7), STEPS), start=1):
         g = jax.random.normal(key, shape, jnp.float32)
@@ -320,14 +248,12 @@ def test_kernel_matches_reference_with_cancellation(mode, form, shape, expansion
 
 
 @pytest.mark.parametrize("mode", BACKENDS)
-@pytest.mark.parametrize("form", FORMS)
-def test_edge_groups(mode, form):
+def test_edge_groups(mode):
     """All-zero groups, one non-zero value, equal values, denormal-sized and huge gradients
     (as huge as float32 squares without overflow: g*g feeds the second moment), and a group
     whose first moment spans subnormal values to 1e15, whose smallest values still get non-zero
     codes (k = 1/16): on a GPU the kernel's flush-to-zero fast path must not take that tile (a
-    CPU flushes subnormal values in the reference and in interpret mode alike; the predicates'
-    own test is ``test_tile_predicates_find_subnormal_values``)."""
+    CPU flushes subnormal values in the reference and in interpret mode alike)."""
     spec = ca.MomentSpec()
     shape = (7, 128)
     rows = [
@@ -340,7 +266,7 @@ def test_edge_groups(mode, form):
         np.concatenate([np.geomspace(1e-38, 1e-37, 8), np.geomspace(1e-15, 1e16, 120)]),
     ]
     g = jnp.asarray(np.stack(rows), jnp.float32)
-    step = _step_fn(mode, spec, form)
+    step = _step_fn(mode, spec)
     mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e4m3", spec)
     for t in (1, 2):
         u, k_mu, k_nu = step(g, mu, nu, jnp.int32(t))
@@ -360,15 +286,15 @@ def test_centre_reciprocal_scale_covers_every_centre():
     ``DRE_TINY`` (the smallest ``sqrt(mx) * sqrt(mn)``) to float32's largest."""
     tiny = float(np.finfo(np.float32).tiny)
     for c in (quant.DRE_TINY, 1.0, float(np.finfo(np.float32).max)):
-        scaled = c * ca._CENTRE_SCALE
+        scaled = c * pallas_triton_math.CENTRE_SCALE
         assert scaled >= tiny and 1.0 / scaled >= tiny, c
     # A power of two, so the scaling rounds nothing: in float32 arithmetic that keeps subnormal
     # values (numpy's, as the GPU's plain multiply does) the scaled form is 1 / c exactly,
     # subnormal reciprocals of centres from 2**126 included.
-    assert np.log2(ca._CENTRE_SCALE) == int(np.log2(ca._CENTRE_SCALE))
+    assert np.log2(pallas_triton_math.CENTRE_SCALE) == int(np.log2(pallas_triton_math.CENTRE_SCALE))
     c = np.asarray([quant.DRE_TINY, 3e-20, 0.7, 2.0**126, 2.5e38, np.finfo(np.float32).max])
     c = c.astype(np.float32)
-    s = np.float32(ca._CENTRE_SCALE)
+    s = np.float32(pallas_triton_math.CENTRE_SCALE)
     got = (np.float32(1) / (c * s)) * s
     np.testing.assert_array_equal(got, np.float32(1) / c)
     assert got[-1] < tiny and got[-1] > 0
@@ -376,9 +302,8 @@ def test_centre_reciprocal_scale_covers_every_centre():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="a CPU flushes subnormal values, the reference's too")
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_huge_moments_stay_finite(form, fmt):
+def test_huge_moments_stay_finite(fmt):
     """Moments whose group centre is at least 2**126 (values from 1e38): the centre's
     reciprocal is subnormal there, and a flush-to-zero reciprocal turned the group's codes into
     NaN. Next to them, ordinary groups in the same tile. GPU only: on a CPU, XLA computes the
@@ -398,7 +323,7 @@ def test_huge_moments_stay_finite(form, fmt):
     g = jnp.asarray(np.where(huge_rows, 1e18, 1.0) * rng.uniform(-1, 1, shape), jnp.float32)
     # A late step: its bias corrections keep the reference's v_hat finite.
     count = jnp.int32(10_000)
-    u, k_mu, k_nu = _step_fn(mode, spec, form)(g, mu, nu, count)
+    u, k_mu, k_nu = _step_fn(mode, spec)(g, mu, nu, count)
     u_ref, mu_ref, nu_ref = _reference_step(g, mu, nu, count, spec)
     for name, got, want in (("mu", k_mu, mu_ref), ("nu", k_nu, nu_ref)):
         values = got.dequantize()
@@ -584,9 +509,8 @@ def _stacked_moment(key, shape, fmt, spec, *, positive):
         ((24, 256), True, None),  # 48 groups per element: 3 programs of 16
         ((256,), False, None),  # 2 groups per element: one program of 2
         ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=2)),  # 48 groups, tile loops
-        # 96 groups per element: 6 programs of 4 tiles of 4 (a prefetching loop)
-        ((2, 16, 384), True, ca.KernelConfig(block_rows=4, tiles=4, prefetch=True)),
-        ((24, 256), True, ca.KernelConfig(folded=True)),
+        # 96 groups per element: 6 programs of 4 tiles of 4
+        ((2, 16, 384), True, ca.KernelConfig(block_rows=4, tiles=4)),
     ],
 )
 def test_stacked_apply_updates_one_element_in_place(mode, shape, expansion, config):
@@ -683,9 +607,13 @@ def test_stacked_apply_with_a_short_last_group_steps_the_slices(backend):
     nu = _stacked_moment(jax.random.key(1), (3, 4, 300), "e4m3", spec, positive=True)
     p = jax.random.normal(jax.random.key(2), (3, 4, 300))
     g = jax.random.normal(jax.random.key(3), (4, 300))
-    hyper = ca._hyper_vector(spec=spec, index=1, **{k: v for k, v in kw.items() if k != "spec"})
+    hyper = pallas_triton.hyper_vector(
+        spec=spec, index=1, **{k: v for k, v in kw.items() if k != "spec"}
+    )
     with pytest.raises(NotImplementedError, match="multiple of the group size"):
-        ca._fused_call(g, p, mu, nu, hyper, spec=spec, config=None, interpret=True, stacked=True)
+        pallas_triton.fused_call(
+            g, p, mu, nu, hyper, spec=spec, config=None, interpret=True, stacked=True
+        )
     interpret = backend == "interpret"
     got = jax.jit(
         lambda p, mu, nu: ca.coat_adamw_apply(
@@ -711,12 +639,9 @@ def test_stacked_apply_with_a_short_last_group_steps_the_slices(backend):
         (None, True, 64),
         (ca.KernelConfig(flat_stats=False, tiles=4, num_stages=2), False, 64),
         (ca.KernelConfig(block_rows=8, tiles=2), True, 64),
-        (ca.KernelConfig(folded=True), False, 64),
-        (ca.KernelConfig(folded=True, block_rows=8, tiles=2), True, 64),
-        (ca.KernelConfig(block_rows=8, tiles=4, prefetch=True), False, 64),
+        (ca.KernelConfig(block_rows=8, tiles=4), False, 64),
         # 74 groups: the last program's loop runs a traced number of tiles (2 of 4).
-        (ca.KernelConfig(block_rows=8, tiles=4, prefetch=True), False, 37),
-        (ca.KernelConfig(block_rows=8, tiles=2, prefetch=True), True, 64),
+        (ca.KernelConfig(block_rows=8, tiles=4), False, 37),
     ],
     ids=str,
 )
@@ -726,7 +651,7 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked, rows
     cannot: a primitive, a shape or a block the Triton backend does not take."""
     from jax import export
 
-    monkeypatch.setattr(ca, "require_gpu", lambda interpret: None)
+    monkeypatch.setattr(pallas_triton, "require_gpu", lambda interpret: None)
     spec = ca.MomentSpec(nu_format="e5m2")
     layers, shape = 3, (rows, 256)
     stack = (layers, *shape) if stacked else shape
@@ -759,141 +684,25 @@ def test_the_kernel_lowers_to_triton_for_cuda(monkeypatch, config, stacked, rows
     assert module.count("__gpu$xla.gpu.triton") == 1
     # Parameter and moments are written in place: every output aliases an input.
     assert module.count("#stablehlo.output_operand_alias<") == 9
-    # The folded arithmetic reaches the kernel (its fused multiply-adds are inline PTX).
-    folded = config is not None and config.folded
-    assert ("fma.rn.f32" in module) == folded
     assert ("lg2.approx.ftz.f32" in module) and ("ex2.approx.f32" in module)
-
-
-class _PoisonedMath(ca._Math):
-    """Interpret-mode arithmetic whose flush-to-zero form of one function returns NaN: a NaN in
-    the output shows that a tile took the kernel's fast branch."""
-
-    def __init__(self, poisoned: str):
-        super().__init__(True, False)
-        self.poisoned = poisoned
-
-    def log2(self, a, *, ftz=False):
-        out = super().log2(a, ftz=ftz)
-        return out * jnp.nan if ftz and self.poisoned == "log2" else out
-
-    def exp2(self, x, *, ftz=False):
-        out = super().exp2(x, ftz=ftz)
-        return out * jnp.nan if ftz and self.poisoned == "exp2" else out
-
-    def adam_direction(self, m_hat, v_hat, eps, *, ftz_sqrt=False):
-        out = super().adam_direction(m_hat, v_hat, eps, ftz_sqrt=ftz_sqrt)
-        return out * jnp.nan if ftz_sqrt and self.poisoned == "sqrt" else out
-
-
-@pytest.mark.parametrize("eps,want_fast", [(1e-8, True), (1e-15, False), (0.0, False)])
-def test_folded_root_flushes_only_next_to_a_large_epsilon(monkeypatch, eps, want_fast):
-    """The folded kernel's root in the update flushes a subnormal second moment only where
-    ``eps * sqrt(1 - b2**t)`` is at least 2**-39 (then the flush cannot move the sum); the
-    flush-to-zero root is poisoned here, so its branch shows as NaN."""
-    monkeypatch.setattr(ca, "_Math", lambda fast, native: _PoisonedMath("sqrt"))
-    spec = ca.MomentSpec()
-    shape = (2, 128)
-    g = jnp.asarray(np.random.RandomState(1).uniform(0.5, 1.0, shape), jnp.float32)
-    mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e4m3", spec)
-    kw = {**HYPER, "eps": eps}
-    u, _, _ = ca.coat_adam_step_pallas(
-        g, mu, nu, count=1, spec=spec, interpret=True, config=FORMS[1].values[0], **kw
-    )
-    assert bool(jnp.any(jnp.isnan(u))) == want_fast
-
-
-def _wide_group():
-    # Values from 1e-2 to 1e30 and one at 1e-30: k = 1/16, and the smallest code dequantizes
-    # below 2**-126 (before the centre multiplies it).
-    return np.concatenate([[1e-30], np.geomspace(1e-2, 1e30, 127)])
-
-
-@pytest.mark.parametrize("flat", [True, False], ids=["flat", "column"])
-def test_folded_tiles_take_the_exact_branch_only_where_values_are_subnormal(flat):
-    """The folded kernel's per-tile choice between the flush-to-zero and the exact powers. A CPU
-    cannot show what a flush loses (it flushes subnormal values in every computation), so the
-    flush-to-zero forms are poisoned here: a tile that takes the fast branch gives NaN."""
-    log2_range = jnp.log2(jnp.float32(448.0 * 448.0 / 2))
-    normal = np.random.RandomState(0).uniform(1e-3, 2e-3, (4, 128))
-    # |x| / c reaches 8e-39 (subnormal) with every value normal: 2e-38 beside 3e38.
-    tiny_ratio = normal.copy()
-    tiny_ratio[2, :2] = [2e-38, 3e38]
-    for values, want_fast in ((normal, True), (tiny_ratio, False)):
-        x = jnp.asarray(values, jnp.float32)
-        codes, _ = ca._quantize(
-            x, "e4m3", True, 16.0, log2_range, _PoisonedMath("log2"), flat, folded=True
-        )
-        fast = bool(jnp.any(jnp.isnan(codes.astype(jnp.float32))))
-        assert fast == want_fast, values[:, :2]
-
-    spec = ca.MomentSpec()
-    for rows, want_fast in (([normal[0]], True), ([normal[0], _wide_group()], False)):
-        moment = ca.quantize_moment(jnp.asarray(np.stack(rows), jnp.float32), "e4m3", spec, 16)
-        out = ca._dequantize(
-            moment.codes.astype(jnp.float32).astype(moment.codes.dtype),
-            moment.scale,
-            moment.expand,
-            moment.center,
-            _PoisonedMath("exp2"),
-            flat,
-            folded=True,
-        )
-        assert bool(jnp.any(jnp.isnan(out))) == want_fast, len(rows)
-
-
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_tile_predicates_find_subnormal_values(fmt):
-    """The two tests that send a tile of the folded kernel down its exact branch, against
-    float64 arithmetic."""
-    tiny = float(np.finfo(np.float32).tiny)
-    # Each group's smallest non-zero |x| (bits; 0: an all-zero group) and lg2(least / c).
-    cases = [((0,), (-200.0,), False), ((5,), (-124.0,), False), ((5, 7), (-3.0, -126.5), True)]
-    for bits, logs, want in cases:
-        got = ca._ratios_below_normal(jnp.asarray(bits, jnp.uint32), jnp.asarray(logs, jnp.float32))
-        assert bool(got) == want, (bits, logs)
-
-    spec = ca.MomentSpec()
-    dtype = quant.FORMATS[fmt]
-    smallest = float(jnp.finfo(dtype).smallest_subnormal)
-    groups = [
-        np.linspace(1e-3, 2e-3, 128),  # narrow: large k, values near the max
-        np.geomspace(1e-20, 1e15, 128),  # wide: k = 1/16
-        np.concatenate([[1e-30], np.geomspace(1e-2, 1e16, 127)]),
-        _wide_group(),
-    ]
-    seen = set()
-    for values in groups:
-        moment = ca.quantize_moment(jnp.asarray(values[None], jnp.float32), fmt, spec, 16)
-        s, k = (float(np.asarray(x).item()) for x in (moment.scale, moment.expand))
-        inv = jnp.float32(1.0 / k)
-        below = bool(ca._dequantizes_below_normal(inv, inv * jnp.log2(jnp.float32(s)), dtype))
-        # The group's smallest non-zero power before the centre, in float64: (smallest * s)**(1/k).
-        least = (smallest * s) ** (1.0 / k)
-        if least < tiny:
-            assert below, (values[:2], least)
-        if not below:
-            assert least >= tiny, (values[:2], least)
-        seen.add(below)
-    assert seen == {True, False}
-    assert bool(ca._dequantizes_below_normal(jnp.float32(16.0), jnp.float32(0.0), dtype))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("low,high", [(1e-8, 1.02e-8), (1e-8, 1.003e-8), (1e30, 1.003e30)])
-def test_folded_powers_keep_narrow_groups_exact(fmt, low, high):
+def test_powers_keep_narrow_groups_exact(fmt, low, high):
     """Narrow groups of unequal values have a large k (hundreds to thousands), which multiplies
-    every rounding error in the power's exponent: the folded form keeps its logs centred, so its
-    codes match the reference's up to ties and its dequantized values to float32 rounding."""
+    every rounding error in the power's exponent: the kernel's powers stay centred on the group,
+    so its codes match the reference's up to ties and its dequantized values to float32
+    rounding."""
     rng = np.random.RandomState(3)
     x = jnp.asarray(rng.uniform(low, high, (64, 128)) * rng.choice([-1, 1], (64, 128)), jnp.float32)
     spec = ca.MomentSpec()
     want = ca.quantize_moment(x, fmt, spec, 16)
     assert float(jnp.min(want.expand)) > 100
-    math_ = ca._Math(True, False)
+    math_ = pallas_triton_math.Math(True, False)
     log2_range = jnp.log2(jnp.float32(quant.FP8_MAX[fmt] ** 2 / 2))
     for flat in (True, False):
-        codes, stats = ca._quantize(x, fmt, True, 16.0, log2_range, math_, flat, folded=True)
+        codes, stats = pallas_triton_math.quantize_tile(x, fmt, True, 16.0, log2_range, math_, flat)
         _assert_codes_match(codes, want.codes, f"{fmt} [{low}, {high}]")
-        values = ca._dequantize(want.codes, *stats, math_, flat, folded=True)
+        values = pallas_triton_math.dequantize_tile(want.codes, *stats, math_, flat)
         np.testing.assert_allclose(values, want.dequantize(), rtol=2e-6, atol=0)

@@ -34,10 +34,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE_TESTS = "tests/test_fp8_oracle.py"
 
-ACT = "pallas_kernels/fp8_act.py"
 QUANT = "pallas_kernels/quant.py"
-FP8_QUANT = "pallas_kernels/fp8_quant.py"
-ADAM = "pallas_kernels/coat_adam.py"
+ACT_REFERENCE = "pallas_kernels/fp8_act/reference.py"
+ACT_KERNEL = "pallas_kernels/fp8_act/pallas_triton.py"
+FP8_QUANT_REFERENCE = "pallas_kernels/fp8_quant/reference.py"
+FP8_QUANT_KERNEL = "pallas_kernels/fp8_quant/pallas_triton.py"
+ADAM_KERNEL_MATH = "pallas_kernels/coat_adam/pallas_triton_math.py"
 LINEAR = "coat_jax/fp8/linear.py"
 FP8_ATTENTION = "coat_jax/fp8/attention.py"
 ATTENTION = "coat_jax/attention.py"
@@ -66,7 +68,7 @@ FAULTS = (
         "SiLU derivative x1.05 (kernel and reference share silu_grad)",
         (
             (
-                ACT,
+                ACT_REFERENCE,
                 "    return sig * (1.0 + x32 * (1.0 - sig))",
                 "    return 1.05 * sig * (1.0 + x32 * (1.0 - sig))",
             ),
@@ -113,12 +115,12 @@ FAULTS = (
         "RMSNorm backward without its projection term (reference and kernel)",
         (
             (
-                ACT,
+                ACT_REFERENCE,
                 "dx = rstd * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))",
                 "dx = rstd * dn",
             ),
             (
-                ACT,
+                ACT_KERNEL,
                 "dx_ref[...] = (rstd * (dn - n * c[:, None, None])).astype(dx_ref.dtype)",
                 "dx_ref[...] = (rstd * dn).astype(dx_ref.dtype)",
             ),
@@ -130,12 +132,12 @@ FAULTS = (
         "RMSNorm weight gradient x0.98 (reference and kernel)",
         (
             (
-                ACT,
+                ACT_REFERENCE,
                 "dw = jnp.sum((dy32 * n_rounded).reshape(-1, n.shape[-1]), axis=0)",
                 "dw = 0.98 * jnp.sum((dy32 * n_rounded).reshape(-1, n.shape[-1]), axis=0)",
             ),
             (
-                ACT,
+                ACT_KERNEL,
                 "dw_ref[...] = jnp.sum(dy * n_rounded, axis=0)[None]",
                 "dw_ref[...] = 0.98 * jnp.sum(dy * n_rounded, axis=0)[None]",
             ),
@@ -146,12 +148,12 @@ FAULTS = (
         "RMSNorm 1/rms without eps (reference and kernel)",
         (
             (
-                ACT,
+                ACT_REFERENCE,
                 "rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)",
                 "rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True))",
             ),
             (
-                ACT,
+                ACT_KERNEL,
                 "rstd = jax.lax.rsqrt(jnp.sum(jnp.sum(x * x, axis=-1), axis=-1) / d + eps)",
                 "rstd = jax.lax.rsqrt(jnp.sum(jnp.sum(x * x, axis=-1), axis=-1) / d)",
             ),
@@ -162,7 +164,7 @@ FAULTS = (
         "SiLU forward x1.01 (kernel and reference share silu32)",
         (
             (
-                ACT,
+                ACT_REFERENCE,
                 "    return x32 / (1.0 + jnp.exp(-x32))",
                 "    return 1.01 * x32 / (1.0 + jnp.exp(-x32))",
             ),
@@ -172,9 +174,9 @@ FAULTS = (
     Fault(
         "product backward multiplies by the wrong input (reference and kernel)",
         (
-            (ACT, "da = dy32 * b_q.dequantize()", "da = dy32 * a_q.dequantize()"),
+            (ACT_REFERENCE, "da = dy32 * b_q.dequantize()", "da = dy32 * a_q.dequantize()"),
             (
-                ACT,
+                ACT_KERNEL,
                 "da_ref[...] = (dy * b).astype(da_ref.dtype)",
                 "da_ref[...] = (dy * a).astype(da_ref.dtype)",
             ),
@@ -185,7 +187,7 @@ FAULTS = (
         "SwiGLU gate gradient without SiLU's x(1 - sigmoid) term (kernel and reference)",
         (
             (
-                ACT,
+                ACT_REFERENCE,
                 "return dy32 * u32 * sig * (1.0 + g32 * (1.0 - sig)), dy32 * g32 * sig",
                 "return dy32 * u32 * sig, dy32 * g32 * sig",
             ),
@@ -222,7 +224,7 @@ FAULTS = (
         "optimizer kernel's DRE decode 0.4% bias",
         (
             (
-                ADAM,
+                ADAM_KERNEL_MATH,
                 "return _copysign(math_.power(jnp.abs(y), inv_expand, ftz_log=True), y) * center",
                 "return _copysign(math_.power(jnp.abs(y), inv_expand, ftz_log=True), y) * center * 1.004",
             ),
@@ -233,7 +235,11 @@ FAULTS = (
         "DRE off: exponent k forced to 1 (reference and kernel)",
         (
             (QUANT, "k = jnp.clip(k, 1.0 / expand_min, MAX_EXPAND)", "k = jnp.ones_like(k)"),
-            (ADAM, "k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)", "k = jnp.ones_like(k)"),
+            (
+                ADAM_KERNEL_MATH,
+                "k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)",
+                "k = jnp.ones_like(k)",
+            ),
         ),
         "dre or optimizer",
     ),
@@ -246,7 +252,7 @@ FAULTS = (
                 "return jnp.clip(x, -fmax, fmax).astype(jnp.bfloat16).astype(FORMATS[fmt])",
             ),
             (
-                FP8_QUANT,
+                FP8_QUANT_KERNEL,
                 "codes = jnp.clip(x / scale[..., None], -fmax, fmax).astype(quant.FORMATS[fmt])",
                 "codes = jnp.clip(x / scale[..., None], -fmax, fmax).astype(jnp.bfloat16).astype(quant.FORMATS[fmt])",
             ),
@@ -257,7 +263,7 @@ FAULTS = (
         "per-tensor scale rounded to the nearest bfloat16 instead of up",
         (
             (
-                FP8_QUANT,
+                FP8_QUANT_REFERENCE,
                 "bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)",
                 "bits = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)",
             ),
@@ -268,7 +274,7 @@ FAULTS = (
         "dropped clip before the per-tensor kernel's cast",
         (
             (
-                FP8_QUANT,
+                FP8_QUANT_KERNEL,
                 "q_ref[...] = jnp.clip(y, -fmax, fmax).astype(quant.FORMATS[fmt])",
                 "q_ref[...] = y.astype(quant.FORMATS[fmt])",
             ),
@@ -296,7 +302,7 @@ FAULTS = (
                 "scale = absmax_scale(jnp.max(x_g, axis=-1), fmax, scale_format)",
             ),
             (
-                FP8_QUANT,
+                FP8_QUANT_KERNEL,
                 "scale = quant.absmax_scale(jnp.max(jnp.abs(x), axis=-1), fmax, scale_format)",
                 "scale = quant.absmax_scale(jnp.max(x, axis=-1), fmax, scale_format)",
             ),
@@ -307,7 +313,7 @@ FAULTS = (
         "off by one group: the 1xG kernels' grid skips the last column of group tiles",
         (
             (
-                ACT,
+                ACT_KERNEL,
                 "        grid=(m // bm, g // bg),",
                 "        grid=(m // bm, max(g // bg - 1, 1)),",
             ),
@@ -318,7 +324,7 @@ FAULTS = (
         "off by one group: the per-group reference quantizes groups of G + 1",
         (
             (
-                FP8_QUANT,
+                FP8_QUANT_REFERENCE,
                 "return quant.quantize_absmax(x, group_size=group_size, fmt=fmt, scale_format=scale_format)",
                 "return quant.quantize_absmax(x, group_size=group_size + 1, fmt=fmt, scale_format=scale_format)",
             ),
@@ -359,7 +365,7 @@ FAULTS = (
         "RMSNorm kernel's backward without its projection term (kernel only)",
         (
             (
-                ACT,
+                ACT_KERNEL,
                 "dx_ref[...] = (rstd * (dn - n * c[:, None, None])).astype(dx_ref.dtype)",
                 "dx_ref[...] = (rstd * dn).astype(dx_ref.dtype)",
             ),
@@ -370,7 +376,7 @@ FAULTS = (
         "product kernel's backward multiplies by the wrong input (kernel only)",
         (
             (
-                ACT,
+                ACT_KERNEL,
                 "da_ref[...] = (dy * b).astype(da_ref.dtype)",
                 "da_ref[...] = (dy * a).astype(da_ref.dtype)",
             ),
@@ -381,7 +387,7 @@ FAULTS = (
         "SwiGLU kernel's backward decodes gate with up's scales (kernel only)",
         (
             (
-                ACT,
+                ACT_KERNEL,
                 "g = qg_ref[...].astype(jnp.float32) * quant.decode_scale(sg_ref[...])[..., None]",
                 "g = qg_ref[...].astype(jnp.float32) * quant.decode_scale(su_ref[...])[..., None]",
             ),
@@ -392,7 +398,7 @@ FAULTS = (
         "1xG kernel quantizer double-rounds through bfloat16 (kernel only)",
         (
             (
-                FP8_QUANT,
+                FP8_QUANT_KERNEL,
                 "codes = jnp.clip(x / scale[..., None], -fmax, fmax).astype(quant.FORMATS[fmt])",
                 "codes = jnp.clip(x / scale[..., None], -fmax, fmax).astype(jnp.bfloat16)"
                 ".astype(quant.FORMATS[fmt])",
@@ -402,7 +408,13 @@ FAULTS = (
     ),
     Fault(
         "optimizer kernel's DRE exponent forced to 1 (kernel only)",
-        ((ADAM, "k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)", "k = jnp.ones_like(k)"),),
+        (
+            (
+                ADAM_KERNEL_MATH,
+                "k = jnp.clip(k, 1.0 / expand_min, quant.MAX_EXPAND)",
+                "k = jnp.ones_like(k)",
+            ),
+        ),
         "optimizer and pallas",
     ),
 )

@@ -10,7 +10,7 @@ import dataclasses
 
 from coat_jax import quant
 from pallas_kernels import fp8_quant
-from pallas_kernels._dispatch import check_implementation
+from pallas_kernels.dispatch import check_implementation
 from pallas_kernels.sharding import KernelMesh
 
 PRECISIONS = ("bf16", "fp8", "coat")

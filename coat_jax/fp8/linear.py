@@ -25,7 +25,7 @@ from coat_jax.fp8.config import DEFAULT_CONFIG, FP8Config
 from coat_jax.fp8.residuals import keep, keep_weight, pin
 from coat_jax.fp8.rowwise import fp8_rowwise_linear
 from pallas_kernels import fp8_quant
-from pallas_kernels._dispatch import dispatch
+from pallas_kernels.dispatch import dispatch
 
 
 def _per_tensor(x, fmt, config: FP8Config, *, weight: bool = False) -> quant.QuantizedTensor:

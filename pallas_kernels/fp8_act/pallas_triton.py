@@ -1,32 +1,5 @@
-"""Non-linear ops of COAT's precision flow fused with their 1xG FP8 quantization, fwd and bwd.
-
-Each op computes its forward output from the exact (BF16) input in float32 and, in the same pass,
-writes the FP8 E4M3 codes and 1xG scales (float32, or one-byte powers of two with
-``scale_format="e8m0"``) of the input(s) that its backward needs, as one
-:class:`pallas_kernels.quant.QuantizedTensor` per input; the backward takes those quantized
-tensors instead of a BF16 copy (docs/design.md, 'The precision flow'):
-
-* RMSNorm: ``y = w * (x * rsqrt(mean(x^2) + eps))`` (Hugging Face Llama's rounding); saves
-  FP8 ``x`` and the float32 per-row ``rsqrt`` (one number per row, 1/D of the activation).
-* SiLU: ``y = x * sigmoid(x)``; saves FP8 ``x``.
-* product: ``y = a * b``; saves FP8 ``a`` and FP8 ``b``.
-* SwiGLU (beyond COAT's op list): ``y = silu(gate) * up``; saves FP8 ``gate`` and ``up`` only and
-  recomputes the SiLU in backward, so the SiLU output is never kept.
-
-Every op has a plain-jnp ``*_reference`` (the CPU path and the numerics contract) and a Pallas
-Triton kernel; the public entry points (``rmsnorm_fwd``, ``rmsnorm_bwd``, ``silu_fwd``, ...) take
-``implementation="auto" | "xla" | "pallas"``, ``interpret`` and ``mesh`` like the quantizers in
-:mod:`pallas_kernels.fp8_quant`, whose tile layout (``[M, D / G, G]`` tiles) they share, and go
-through the one dispatcher (:func:`pallas_kernels._dispatch.dispatch`). The kernels need ``D`` to
-be a multiple of ``G``, and RMSNorm's, which hold whole rows, ``D / G`` to be a power of two;
-:func:`pallas_supports` says whether a shape fits. A kernel raises ``NotImplementedError`` for
-a shape it does not take, so ``"auto"`` runs the reference there and ``"pallas"`` raises a
-``ValueError`` naming the shape.
-
-With ``mesh`` (a :class:`~pallas_kernels.sharding.KernelMesh`) the kernels run on each batch
-shard of activations split along their leading axis: per row and per group, they need nothing
-from other shards, except RMSNorm's weight gradient (a ``psum`` of the shards' partial sums).
-"""
+"""The FP8 activation ops' Pallas Triton kernels: one pass that computes the output and quantizes
+what the backward keeps."""
 
 from __future__ import annotations
 
@@ -37,18 +10,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import quant
-from pallas_kernels._dispatch import dispatch, require_gpu
+from pallas_kernels.dispatch import require_gpu
+from pallas_kernels.fp8_act.reference import (
+    silu32,
+    silu_grad,
+    swiglu_grads,
+)
 from pallas_kernels.fp8_quant import (
     DEFAULT_TILES,
     group_quantize_tile,
     grouped_view,
     per_group,
     pow2_divisor,
-    quantize_per_group_reference,
     tiles_for,
 )
 from pallas_kernels.quant import QuantizedTensor
-from pallas_kernels.sharding import KernelMesh, over_batch
+from pallas_kernels.sharding import over_batch
 
 OPS = ("rmsnorm", "silu", "mul", "swiglu")
 
@@ -73,16 +50,6 @@ def _check_supported(op: str, shape, group_size: int) -> None:
         )
 
 
-def _check_saved(op: str, *saved) -> None:
-    """``TypeError`` unless ``saved`` are the quantized tensors the forward of ``op`` returned."""
-    for q in saved:
-        if not isinstance(q, QuantizedTensor):
-            raise TypeError(
-                f"{op} takes the QuantizedTensor(s) its forward returned (codes and scales in "
-                f"one), got {type(q).__name__}"
-            )
-
-
 def _kernel_groups(op: str, *saved: QuantizedTensor) -> int:
     """The group size of 1xG absmax ``saved`` (one for all); ``NotImplementedError`` for any
     other layout, which the reference dequantizes instead."""
@@ -93,112 +60,6 @@ def _kernel_groups(op: str, *saved: QuantizedTensor) -> int:
             + ", ".join(repr(q) for q in saved)
         )
     return sizes.pop()
-
-
-# --------------------------------------------------------------------------------------------
-# references
-
-
-def rmsnorm_fwd_reference(
-    x, w, eps: float, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
-):
-    """``(y, x_q, rstd)``: ``y`` in ``x.dtype``, ``x_q`` the 1xG quantized ``x``, ``rstd [..., 1]``
-    float32."""
-    x32 = x.astype(jnp.float32)
-    rstd = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    y = w.astype(x.dtype) * (x32 * rstd).astype(x.dtype)
-    return (
-        y,
-        quantize_per_group_reference(x, group_size=group_size, fmt=fmt, scale_format=scale_format),
-        rstd,
-    )
-
-
-def rmsnorm_bwd_reference(dy, x_q: QuantizedTensor, rstd, w):
-    """``(dx in dy.dtype, dw in w.dtype)`` from the saved FP8 input."""
-    n = x_q.dequantize() * rstd
-    dy32 = dy.astype(jnp.float32)
-    # The forward rounds the normalized value to x.dtype before the weight multiply.
-    n_rounded = n.astype(dy.dtype).astype(jnp.float32)
-    dw = jnp.sum((dy32 * n_rounded).reshape(-1, n.shape[-1]), axis=0)
-    dn = dy32 * w.astype(dy.dtype).astype(jnp.float32)
-    dx = rstd * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
-    return dx.astype(dy.dtype), dw.astype(w.dtype)
-
-
-def silu32(x32):
-    # exp rather than lax.logistic so that the kernel and the reference share one formula.
-    return x32 / (1.0 + jnp.exp(-x32))
-
-
-def silu_fwd_reference(
-    x, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
-):
-    """``(y, x_q)``: ``y = silu(x)`` in float32 math, output in ``x.dtype``; ``x_q`` the 1xG
-    quantized ``x``."""
-    y = silu32(x.astype(jnp.float32)).astype(x.dtype)
-    return y, quantize_per_group_reference(
-        x, group_size=group_size, fmt=fmt, scale_format=scale_format
-    )
-
-
-def silu_grad(x32):
-    sig = 1.0 / (1.0 + jnp.exp(-x32))
-    return sig * (1.0 + x32 * (1.0 - sig))
-
-
-def silu_bwd_reference(dy, x_q: QuantizedTensor):
-    x = x_q.dequantize()
-    return (dy.astype(jnp.float32) * silu_grad(x)).astype(dy.dtype)
-
-
-def swiglu_fwd_reference(
-    gate, up, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
-):
-    """``(y, gate_q, up_q)``, ``y = silu(gate) * up``, with both inputs 1xG quantized."""
-    g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
-    y = (silu32(g32) * u32).astype(jnp.result_type(gate, up))
-    return (
-        y,
-        quantize_per_group_reference(
-            gate, group_size=group_size, fmt=fmt, scale_format=scale_format
-        ),
-        quantize_per_group_reference(up, group_size=group_size, fmt=fmt, scale_format=scale_format),
-    )
-
-
-def swiglu_grads(dy32, g32, u32):
-    """``(d gate, d up)`` of ``silu(gate) * up`` in float32."""
-    sig = 1.0 / (1.0 + jnp.exp(-g32))
-    return dy32 * u32 * sig * (1.0 + g32 * (1.0 - sig)), dy32 * g32 * sig
-
-
-def swiglu_bwd_reference(dy, gate_q: QuantizedTensor, up_q: QuantizedTensor):
-    dg, du = swiglu_grads(dy.astype(jnp.float32), gate_q.dequantize(), up_q.dequantize())
-    return dg.astype(dy.dtype), du.astype(dy.dtype)
-
-
-def mul_fwd_reference(
-    a, b, *, group_size: int = 16, fmt: str = "e4m3", scale_format: str = "float32"
-):
-    """``(y, a_q, b_q)`` with ``y = a * b`` in the inputs' dtype, both inputs 1xG quantized."""
-    y = (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(jnp.result_type(a, b))
-    return (
-        y,
-        quantize_per_group_reference(a, group_size=group_size, fmt=fmt, scale_format=scale_format),
-        quantize_per_group_reference(b, group_size=group_size, fmt=fmt, scale_format=scale_format),
-    )
-
-
-def mul_bwd_reference(dy, a_q: QuantizedTensor, b_q: QuantizedTensor):
-    dy32 = dy.astype(jnp.float32)
-    da = dy32 * b_q.dequantize()
-    db = dy32 * a_q.dequantize()
-    return da.astype(dy.dtype), db.astype(dy.dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# Pallas kernels (tiles of [rows, groups, G]; see the module docstring)
 
 
 def _rmsnorm_fwd_kernel(x_ref, w_ref, y_ref, q_ref, s_ref, r_ref, *, eps, fmt, scale_format):
@@ -462,204 +323,3 @@ def swiglu_bwd_pallas(dy, gate_q, up_q, *, tiles=DEFAULT_TILES, interpret=False)
 def mul_bwd_pallas(dy, a_q, b_q, *, tiles=DEFAULT_TILES, interpret=False):
     da, db = _bwd_call(_mul_bwd_kernel, "fp8_mul_bwd", dy, [a_q, b_q], 2, tiles, interpret)
     return da, db
-
-
-# --------------------------------------------------------------------------------------------
-# entry points
-
-
-def _run(op, implementation, interpret, mesh, pallas, xla):
-    return dispatch(op, implementation, interpret=interpret, mesh=mesh, pallas=pallas, xla=xla)[1]
-
-
-def rmsnorm_fwd(
-    x,
-    w,
-    eps: float,
-    *,
-    group_size=16,
-    fmt="e4m3",
-    scale_format="float32",
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """Fused RMSNorm forward + 1xG quantization of ``x``: ``(y, x_q, rstd [..., 1])``."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "rmsnorm_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: rmsnorm_fwd_pallas(x, w, eps, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: rmsnorm_fwd_reference(x, w, eps, **kw),
-    )
-
-
-def rmsnorm_bwd(
-    dy,
-    x_q: QuantizedTensor,
-    rstd,
-    w,
-    *,
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """RMSNorm backward from the saved FP8 input ``x_q`` and ``rstd``: ``(dx, dw)``."""
-    _check_saved("rmsnorm_bwd", x_q)
-    return _run(
-        "rmsnorm_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: rmsnorm_bwd_pallas(dy, x_q, rstd, w, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: rmsnorm_bwd_reference(dy, x_q, rstd, w),
-    )
-
-
-def silu_fwd(
-    x,
-    *,
-    group_size=16,
-    fmt="e4m3",
-    scale_format="float32",
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """Fused SiLU forward + 1xG quantization of ``x``: ``(y, x_q)``."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "silu_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: silu_fwd_pallas(x, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: silu_fwd_reference(x, **kw),
-    )
-
-
-def silu_bwd(
-    dy,
-    x_q: QuantizedTensor,
-    *,
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """SiLU backward from the saved FP8 input ``x_q``: ``dx``."""
-    _check_saved("silu_bwd", x_q)
-    return _run(
-        "silu_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: silu_bwd_pallas(dy, x_q, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: silu_bwd_reference(dy, x_q),
-    )
-
-
-def mul_fwd(
-    a,
-    b,
-    *,
-    group_size=16,
-    fmt="e4m3",
-    scale_format="float32",
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """Fused product + 1xG quantization of both inputs: ``(y, a_q, b_q)``."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "mul_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: mul_fwd_pallas(a, b, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: mul_fwd_reference(a, b, **kw),
-    )
-
-
-def mul_bwd(
-    dy,
-    a_q: QuantizedTensor,
-    b_q: QuantizedTensor,
-    *,
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """Product backward from the saved FP8 inputs ``a_q``, ``b_q``: ``(da, db)``."""
-    _check_saved("mul_bwd", a_q, b_q)
-    return _run(
-        "mul_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: mul_bwd_pallas(dy, a_q, b_q, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: mul_bwd_reference(dy, a_q, b_q),
-    )
-
-
-def swiglu_fwd(
-    gate,
-    up,
-    *,
-    group_size=16,
-    fmt="e4m3",
-    scale_format="float32",
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """Fused ``silu(gate) * up`` + 1xG quantization of both inputs: ``(y, gate_q, up_q)`` (the
-    SiLU is recomputed in backward)."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "swiglu_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: swiglu_fwd_pallas(gate, up, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: swiglu_fwd_reference(gate, up, **kw),
-    )
-
-
-def swiglu_bwd(
-    dy,
-    gate_q: QuantizedTensor,
-    up_q: QuantizedTensor,
-    *,
-    implementation="auto",
-    interpret=False,
-    tiles=DEFAULT_TILES,
-    mesh: KernelMesh | None = None,
-):
-    """SwiGLU backward from the saved FP8 gate and up: ``(d gate, d up)``."""
-    _check_saved("swiglu_bwd", gate_q, up_q)
-    return _run(
-        "swiglu_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: swiglu_bwd_pallas(dy, gate_q, up_q, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: swiglu_bwd_reference(dy, gate_q, up_q),
-    )
