@@ -26,9 +26,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from coat_jax.runs import read_params
 from coat_jax.training import Checkpointer, load_config, train
 from coat_jax.training import checkpoint as checkpoint_mod
-from coat_jax.training.checkpoint import CheckpointSaveError, _fmt_bytes, read_params, state_bytes
+from coat_jax.training.checkpoint import CheckpointSaveError, _fmt_bytes, state_bytes
 from coat_jax.training.errors import DivergedError
 from coat_jax.training.loop import make_schedule
 from coat_jax.training.optimizers import skip_nonfinite

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import yaml
 
+from coat_jax.training.config import TrainConfig
+
 NO_DESCRIPTION = "(no description)"
 
 # One line per key, by its dotted name.
@@ -162,8 +164,6 @@ def config_keys(cls=None, instance=None, prefix: str = "") -> list[KeyDoc]:
     their default factories give.
     """
     if cls is None:
-        from coat_jax.training.config import TrainConfig
-
         cls = TrainConfig
     instance = cls() if instance is None else instance
     hints = typing.get_type_hints(cls)

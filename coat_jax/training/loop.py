@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from coat_jax.llama import Llama, LlamaConfig, relayout
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.master import apply_updates_stochastic, float32_optimizer
 from coat_jax.optim import apply_gradients
+from coat_jax.runs import resolve_init_from
 from coat_jax.training import distributed, layerwise, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, parse_op_kernels, to_dict
@@ -192,21 +192,6 @@ def init_params_fn(llama_cfg: LlamaConfig, cfg: TrainConfig, param_shardings):
         return jax.device_put(params, param_shardings)
 
     return init
-
-
-def resolve_init_from(spec: str) -> str:
-    """A checkpoint path; ``pkg:NAME/rest`` looks inside an installed package (no import)."""
-    if spec.startswith("pkg:"):
-        package, _, rest = spec[4:].partition("/")
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise ValueError(f"init_from={spec!r}: package {package!r} is not installed")
-        path = Path(list(found.submodule_search_locations)[0]) / rest
-    else:
-        path = Path(spec).expanduser()
-    if not path.exists():
-        raise ValueError(f"init_from={spec!r}: {str(path)!r} does not exist")
-    return str(path)
 
 
 def llama_config_dict(llama_cfg: LlamaConfig) -> dict:

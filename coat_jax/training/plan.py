@@ -17,8 +17,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from coat_jax.checkpoint_io import read_config
+from coat_jax.memory import residuals
 from coat_jax.quant import state_bytes
+from coat_jax.runs import resolve_init_from
 from coat_jax.training.config import TrainConfig
+from coat_jax.training.loop import build_program, next_token_loss
 
 GIB = 2**30
 
@@ -51,9 +55,6 @@ def device_limit() -> int | None:
 def _llama_config(cfg: TrainConfig):
     if not cfg.init_from:
         return cfg.model
-    from coat_jax.checkpoint_io import read_config
-    from coat_jax.training.loop import resolve_init_from
-
     return read_config(resolve_init_from(cfg.init_from))
 
 
@@ -72,9 +73,6 @@ def plan_memory(
       ``(rows, largest_fitting_batch, device_limit_bytes)``; the last two are None where the
       backend has no memory limit.
     """
-    from coat_jax.memory import residuals
-    from coat_jax.training.loop import build_program, next_token_loss
-
     for b in batch_sizes or ():
         if not isinstance(b, int) or b <= 0:
             raise ValueError(f"batch sizes must be positive integers, got {b!r}")
