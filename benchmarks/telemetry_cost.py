@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coat_jax.training.config import TrainConfig, load_config  # noqa: E402
-from coat_jax.training.loop import build_program  # noqa: E402
+from coat_jax.training.program import build_program  # noqa: E402
 from coat_jax.training.telemetry import logged_metrics  # noqa: E402
 
 

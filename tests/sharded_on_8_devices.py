@@ -405,7 +405,7 @@ def _abstract(tree, shardings):
 
 
 def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothing():
-    from coat_jax.training.loop import build_program
+    from coat_jax.training.program import build_program
 
     # Scanned layers wide enough that some weights split their last axis (128 columns each).
     cfg = _config(

@@ -21,8 +21,7 @@ from jax.extend.core import jaxprs_in_params
 from coat_jax import fp8_ops, quant
 from coat_jax.llama import Llama
 from coat_jax.training import layerwise, load_config
-from coat_jax.training.loop import (
-    build_program,
+from coat_jax.training.model import (
     init_params_fn,
     loss_from_hidden,
     model_def_for,
@@ -30,6 +29,7 @@ from coat_jax.training.loop import (
     observed_next_token_loss,
 )
 from coat_jax.training.optimizers import make_optimizer
+from coat_jax.training.program import build_program
 from coat_jax.training.sharding import make_mesh, param_shardings
 from coat_jax.training.telemetry import (
     ACT_COMPUTED,

@@ -17,13 +17,8 @@ from flax import nnx
 
 from coat_jax.fp8_ops import fp8_compiler_options, is_gpu_backend
 from coat_jax.training import load_config
-from coat_jax.training.loop import (
-    build_program,
-    codes_barrier,
-    compiler_options,
-    excess_precision,
-    next_token_loss,
-)
+from coat_jax.training.model import codes_barrier, excess_precision, next_token_loss
+from coat_jax.training.program import build_program, compiler_options
 from tests.tiny_runs import tiny_run
 
 RUN = [*tiny_run(layers=1, batch_size=2), "compilation_cache_dir=null", "precision=coat"]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from coat_jax.training import load_config
-from coat_jax.training.loop import build_program, next_token_loss
+from coat_jax.training.model import next_token_loss
+from coat_jax.training.program import build_program
 from tests.test_fp8_ops import _dot_operand_sources
 from tests.tiny_runs import tiny_run
 

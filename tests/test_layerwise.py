@@ -17,7 +17,7 @@ import pytest
 
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.layerwise import LayerwiseState
-from coat_jax.training.loop import build_program
+from coat_jax.training.program import build_program
 from tests.fake_devices import run_on_fake_devices
 from tests.tiny_runs import tiny_run
 
@@ -346,7 +346,7 @@ EIGHT_DEVICES = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from coat_jax.training import load_config
-from coat_jax.training.loop import build_program
+from coat_jax.training.program import build_program
 from coat_jax.training.sharding import make_mesh
 
 args = json.loads(ARGS)

@@ -132,7 +132,7 @@ def test_implementation_of_names_the_op_or_refuses():
 
 def test_trainer_key_parses_checks_and_reaches_the_model():
     from coat_jax.llama import LlamaConfig
-    from coat_jax.training.loop import model_def_for
+    from coat_jax.training.model import model_def_for
 
     assert parse_op_kernels(None) == ()
     assert parse_op_kernels(" quantize_per_tensor = pallas ; swiglu=xla") == (

@@ -154,7 +154,7 @@ class TrainConfig:
     - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
     - ``deterministic``: compile the training step and the evaluation with XLA's
-      ``xla_gpu_deterministic_ops`` (``coat_jax.training.loop.compiler_options``), meant to make
+      ``xla_gpu_deterministic_ops`` (``coat_jax.training.program.compiler_options``), meant to make
       a single-GPU run repeat bit for bit: scatters (the embedding's gradient) and reductions
       without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
       collectives across devices are not covered. The model's attention then runs as XLA's
@@ -168,12 +168,12 @@ class TrainConfig:
       of the ``scratch_code`` study, one session's code changes apart (none of them in BF16's
       step), ended 0.0048 apart in validation loss (docs/accuracy.md).
     - ``xla_excess_precision``: XLA's ``xla_allow_excess_precision`` for the training step and
-      the evaluation (``coat_jax.training.loop.compiler_options``). ``true`` (XLA's own default)
+      the evaluation (``coat_jax.training.program.compiler_options``). ``true`` (XLA's own default)
       lets XLA keep a bfloat16 intermediate in float32 between two fusions (it removes the
       round trip through bfloat16); ``false`` rounds every bfloat16 value the program names,
       so those tensors cross memory in 2 bytes instead of 4. ``null``: the measured default,
       ``false`` for precision ``coat`` on a GPU and XLA's own otherwise
-      (``coat_jax.training.loop.excess_precision``, docs/bench_excess_precision.md).
+      (``coat_jax.training.model.excess_precision``, docs/bench_excess_precision.md).
     - ``fp8_codes_barrier``: pass the FP8 codes that XLA's quantizers make for backward through
       an optimization barrier (``FP8Config.codes_barrier``), which keeps XLA's excess precision
       from folding their round trip back into the unquantized values. ``true`` (default).

@@ -42,9 +42,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax.llama import default_positions
-from coat_jax.master import apply_updates_stochastic
-from coat_jax.optim import apply_gradients, apply_gradients_at
+from coat_jax.optim import apply_gradients_at
 from coat_jax.training import sharding
+from coat_jax.training.step import apply_strategy
 from coat_jax.training.telemetry import ActivationTelemetry
 from pallas_kernels.stacks import element, put_element
 
@@ -149,7 +149,9 @@ def make_train_step(
         (``coat_jax.master.float32_optimizer``); each update is then applied with stochastic
         rounding, keyed by ``seed``, the step count and the layer.
       loss_from_hidden: ``(model, hidden_BTD, labels_BT) -> mean loss`` (the trainer's).
-      fused_apply: apply through ``coat_jax.apply_gradients`` (coat_adamw's fused kernel);
+      fused_apply, low_precision: how each update is applied, as the plain step applies it
+        (``coat_jax.training.step.apply_strategy``): through ``coat_jax.apply_gradients``
+        (coat_adamw's fused kernel);
         for a ``tx`` whose kernel can step one layer inside the stacks (``coat_adamw``:
         ``coat_jax.optim.apply_gradients_at``), in place, with no slice of a layer's state
         read out or written back.
@@ -160,16 +162,11 @@ def make_train_step(
     """
 
     in_place = fused_apply and not low_precision and hasattr(tx.update, "apply_at")
+    apply = apply_strategy(tx, fused_apply=fused_apply, low_precision=low_precision)
 
     def update(grads, state, params, key):
-        if low_precision:
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            updates, state = tx.update(grads, state, params)
-            return apply_updates_stochastic(params, updates, key), state
-        if fused_apply:
-            return apply_gradients(tx, grads, state, params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        params, state, _ = apply(grads, state, params, key)
+        return params, state
 
     def train_step(params, opt_state: LayerwiseState, tokens_ABT1):
         if tokens_ABT1.shape[0] != 1:

@@ -1,6 +1,6 @@
 """What a training config will need, before training: ``python train.py --plan``.
 
-The trainer's own step (:func:`coat_jax.training.loop.build_program`) is compiled, never run, at
+The trainer's own step (:func:`coat_jax.training.program.build_program`) is compiled, never run, at
 each batch size, and XLA's ``compiled.memory_analysis()`` gives its peak: arguments (parameters,
 optimizer state, the token batch) + outputs - donated + temporaries. Temporaries are split into
 the activations backward keeps (the residuals of the loss's ``jax.vjp``, traced with
@@ -22,7 +22,8 @@ from coat_jax.memory import residuals
 from coat_jax.quant import state_bytes
 from coat_jax.runs import resolve_init_from
 from coat_jax.training.config import TrainConfig
-from coat_jax.training.loop import build_program, next_token_loss
+from coat_jax.training.model import next_token_loss
+from coat_jax.training.program import build_program
 
 GIB = 2**30
 
