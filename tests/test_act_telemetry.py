@@ -21,6 +21,7 @@ from jax.extend.core import jaxprs_in_params
 from coat_jax import fp8_ops, quant
 from coat_jax.llama import Llama
 from coat_jax.training import layerwise, load_config
+from coat_jax.training.act_telemetry import ActivationTelemetry, activation_telemetry
 from coat_jax.training.model import (
     init_params_fn,
     loss_from_hidden,
@@ -31,12 +32,7 @@ from coat_jax.training.model import (
 from coat_jax.training.optimizers import make_optimizer
 from coat_jax.training.program import build_program
 from coat_jax.training.sharding import make_mesh, param_shardings
-from coat_jax.training.telemetry import (
-    ACT_COMPUTED,
-    ActivationTelemetry,
-    activation_telemetry,
-    logged_metrics,
-)
+from coat_jax.training.telemetry import ACT_COMPUTED, logged_metrics
 from pallas_kernels import fp8_quant
 from tests.tiny_runs import tiny_run
 

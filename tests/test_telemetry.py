@@ -22,12 +22,12 @@ from coat_jax.training.optimizers import make_optimizer
 from coat_jax.training.step import with_rounding_count
 from coat_jax.training.telemetry import (
     COMPUTED,
-    SamplePlan,
     StateTelemetry,
     logged_metrics,
     state_telemetry,
     tensor_names,
 )
+from coat_jax.training.telemetry_sample import SamplePlan
 from tests.fake_devices import run_on_fake_devices
 from tests.test_cli import _scalars
 from tests.test_train import tiny, tree_bytes

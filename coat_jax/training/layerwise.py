@@ -44,8 +44,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from coat_jax.llama import default_positions
 from coat_jax.optim import apply_gradients_at
 from coat_jax.training import sharding
+from coat_jax.training.act_telemetry import ActivationTelemetry
 from coat_jax.training.step import apply_strategy
-from coat_jax.training.telemetry import ActivationTelemetry
 from pallas_kernels.stacks import element, put_element
 
 # The key of one layer's parameters in the tree the optimizer sees per layer. Not "layers":

@@ -21,6 +21,7 @@ from coat_jax.fp8_ops import fp8_compiler_options
 from coat_jax.llama import LlamaConfig
 from coat_jax.master import float32_optimizer
 from coat_jax.training import layerwise, sharding
+from coat_jax.training.act_telemetry import activation_telemetry
 from coat_jax.training.config import TrainConfig
 from coat_jax.training.model import (
     ModelDef,
@@ -34,10 +35,7 @@ from coat_jax.training.optimizers import (
     make_optimizer,
 )
 from coat_jax.training.step import make_train_step, with_rounding_count
-from coat_jax.training.telemetry import (
-    activation_telemetry,
-    state_telemetry,
-)
+from coat_jax.training.telemetry import state_telemetry
 
 
 def make_schedule(cfg: TrainConfig):

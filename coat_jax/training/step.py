@@ -19,11 +19,9 @@ import optax
 
 from coat_jax.master import apply_updates_stochastic, float32_optimizer
 from coat_jax.optim import apply_gradients
+from coat_jax.training.act_telemetry import ActivationTelemetry
 from coat_jax.training.model import ModelDef, next_token_loss, observed_next_token_loss
-from coat_jax.training.telemetry import (
-    ActivationTelemetry,
-    StateTelemetry,
-)
+from coat_jax.training.telemetry import StateTelemetry
 
 
 class StochasticRoundingState(NamedTuple):
