@@ -15,7 +15,7 @@ import pytest
 from coat_jax import fp8_ops
 from coat_jax.fp8_ops import FP8Config, ops_for
 from coat_jax.training import load_config
-from coat_jax.training.config import parse_op_kernels
+from coat_jax.training.op_kernels import parse_op_kernels
 
 INTERPRET = jax.default_backend() != "gpu"
 # The Pallas kernel names each op's forward and backward launch.

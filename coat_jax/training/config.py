@@ -20,6 +20,7 @@ import yaml
 
 from coat_jax.llama import REMAT_POLICIES, LlamaConfig
 from coat_jax.training.data import split_names
+from coat_jax.training.op_kernels import op_kernels_as_mapping, op_kernels_text, parse_op_kernels
 
 # The ``model`` section is a :class:`coat_jax.llama.LlamaConfig` (one source of truth for the
 # architecture, ``rope_scaling`` included). Keys a config leaves out take these values, the tiny
@@ -429,43 +430,6 @@ def _check_positive(cfg, *names):
             raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
-def parse_op_kernels(text: str | None) -> tuple[tuple[str, str], ...]:
-    """``fp8_op_kernels`` (``"op=implementation;..."``) as ``FP8Config.op_implementations``.
-
-    ``ValueError`` names a malformed entry, an unknown op or implementation, or a repeated op.
-    """
-    from coat_jax.fp8_ops import check_op_implementations
-
-    if text is None:
-        return ()
-    pairs = []
-    for entry in (e.strip() for e in str(text).split(";")):
-        op, sep, implementation = entry.partition("=")
-        if not sep or not op.strip() or not implementation.strip():
-            raise ValueError(
-                f"fp8_op_kernels entry {entry!r} is not op=implementation; write e.g. "
-                "fp8_op_kernels='quantize_per_tensor=pallas;swiglu=xla'"
-            )
-        pairs.append((op.strip(), implementation.strip()))
-    try:
-        return check_op_implementations(tuple(pairs))
-    except ValueError as e:
-        raise ValueError(f"fp8_op_kernels={text!r}: {e}") from None
-
-
-def op_kernels_text(mapping: Mapping[str, Any]) -> str:
-    """A YAML mapping ``{op: implementation}`` for ``fp8_op_kernels`` as its
-    ``"op=implementation;..."`` text (the field's one stored form)."""
-    bad = {k: v for k, v in mapping.items() if not isinstance(k, str) or not isinstance(v, str)}
-    if bad or not mapping:
-        raise ValueError(
-            f"fp8_op_kernels={dict(mapping)!r}: a mapping must name at least one op and map "
-            "each op name to an implementation name (auto, xla or pallas), e.g. "
-            "{swiglu: pallas, rmsnorm: xla}"
-        )
-    return ";".join(f"{op}={implementation}" for op, implementation in mapping.items())
-
-
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Builds a :class:`TrainConfig` from defaults, an optional YAML file and ``key=value`` items.
 
@@ -493,17 +457,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             ) from None
         key = key.strip()
         if key.startswith("fp8_op_kernels."):
-            _op_kernels_as_mapping(raw)
+            op_kernels_as_mapping(raw)
         _set_dotted(raw, key, value)
     return from_dict(raw)
-
-
-def _op_kernels_as_mapping(raw: dict) -> None:
-    """``raw["fp8_op_kernels"]`` in its text form becomes a mapping, so that one op's setting
-    (``fp8_op_kernels.OP=IMPL``, or a mapping in a file over a ``base:`` file's text) replaces
-    or adds that op and keeps the others, as over a mapping."""
-    if isinstance(raw.get("fp8_op_kernels"), str):
-        raw["fp8_op_kernels"] = dict(parse_op_kernels(raw["fp8_op_kernels"]))
 
 
 def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
@@ -533,7 +489,7 @@ def _load_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         return data
     merged = _load_yaml_with_bases(path.parent / base, (*seen, path))
     if isinstance(data.get("fp8_op_kernels"), Mapping):
-        _op_kernels_as_mapping(merged)
+        op_kernels_as_mapping(merged)
     _deep_update(merged, data)
     return merged
 

@@ -21,7 +21,8 @@ from coat_jax.fp8_ops import is_gpu_backend
 from coat_jax.llama import Llama, LlamaConfig
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.training import sharding
-from coat_jax.training.config import TrainConfig, parse_op_kernels
+from coat_jax.training.config import TrainConfig
+from coat_jax.training.op_kernels import parse_op_kernels
 from coat_jax.training.optimizers import (
     kernel_options,
 )
