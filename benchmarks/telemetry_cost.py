@@ -26,35 +26,22 @@ from coat_jax.training.program import build_program  # noqa: E402
 from coat_jax.training.telemetry import logged_metrics  # noqa: E402
 
 
-def benchmark(
-    cfg: TrainConfig,
-    *,
-    steps: int = 20,
-    rounds: int = 5,
-    together: bool = True,
-    programs: tuple[str, ...] = ("off", "on"),
-) -> dict:
+def benchmark(cfg: TrainConfig, *, steps: int = 20, rounds: int = 5, together: bool = True) -> dict:
     """Seconds per train step of ``cfg`` with telemetry off and on.
 
-    Builds the trainer's program (``build_program``) in each way of
-    ``programs``: ``"off"`` (no telemetry), ``"on"`` (``telemetry: true``: the optimizer
-    state's and, for FP8 activations, the activation telemetry), ``"state"`` (the optimizer
-    state's alone, the step before the activation telemetry existed). From the same parameters
-    and tokens it times ``rounds`` rounds of ``steps`` steps of each:
-    alternating (``together``, so a machine's varying load hits both alike), or one program
-    after the other, freeing the first (a model whose two states do not fit at once). Each step
-    is blocked on: step latencies. Returns per program the median round's seconds per step
-    (wall clock, and the process's CPU time, which a busy machine disturbs less), each round,
-    the compile time, XLA's temporary bytes and the last metrics; ``overhead_*`` of each
-    program against the first (``"on"`` against ``"off"``: ``overhead_step_s``).
+    Builds the trainer's program (``build_program``) twice: ``"off"`` (no telemetry) and
+    ``"on"`` (``telemetry: true``: the optimizer state's and, for FP8 activations, the
+    activation telemetry). From the same parameters and tokens it times ``rounds`` rounds of
+    ``steps`` steps of each: alternating (``together``, so a machine's varying load hits both
+    alike), or one program after the other, freeing the first (a model whose two states do not
+    fit at once). Each step is blocked on: step latencies. Returns per program the median
+    round's seconds per step (wall clock, and the process's CPU time, which a busy machine
+    disturbs less), each round, the compile time, XLA's temporary bytes and the last metrics;
+    ``overhead_step_s`` and ``overhead_step_cpu_s``: "on" against "off".
     """
-    unknown = set(programs) - {"off", "on", "state"}
-    if unknown or not programs:
-        raise ValueError(f"programs must be among 'off', 'on', 'state', got {list(programs)}")
     runs = {}
-    for name in programs:
-        telemetry = dataclasses.replace(cfg, telemetry=name != "off")
-        runs[name] = _BenchRun(telemetry, observe_activations=name != "state")
+    for name in ("off", "on"):
+        runs[name] = _BenchRun(dataclasses.replace(cfg, telemetry=name == "on"))
         if not together:
             for _ in range(rounds):
                 runs[name].round(steps)
@@ -64,20 +51,16 @@ def benchmark(
             for run in runs.values():
                 run.round(steps)
     result = {name: run.summary() for name, run in runs.items()}
-    base = programs[0]
-    for name in programs[1:]:
-        # "on" against "off" keeps its old name; any other pair is named.
-        tag = "" if (base, name) == ("off", "on") else f"_{name}_vs_{base}"
-        for key in ("step_s", "step_cpu_s"):
-            result[f"overhead_{key}{tag}"] = result[name][key] / result[base][key] - 1
+    for key in ("step_s", "step_cpu_s"):
+        result[f"overhead_{key}"] = result["on"][key] / result["off"][key] - 1
     return result
 
 
 class _BenchRun:
     """One compiled train step of :func:`benchmark`, its state and its timings."""
 
-    def __init__(self, cfg: TrainConfig, *, observe_activations: bool = True):
-        program = build_program(cfg, cfg.model, observe_activations=observe_activations)
+    def __init__(self, cfg: TrainConfig):
+        program = build_program(cfg, cfg.model)
         params = program.init_params(jax.random.key(cfg.seed))
         opt_state = program.init_opt_state(params)
         tokens = np.random.default_rng(cfg.seed).integers(
@@ -135,12 +118,6 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each program")
     parser.add_argument(
-        "--programs",
-        default="off,on",
-        help="comma-separated programs to time, the first the base: off, on, state "
-        "(the optimizer state's telemetry without the activation telemetry)",
-    )
-    parser.add_argument(
         "--one-at-a-time",
         action="store_true",
         help="time one program, free it, then the other (a model whose two states do not fit)",
@@ -155,7 +132,6 @@ def main(argv=None) -> None:
         steps=args.steps,
         rounds=args.rounds,
         together=not args.one_at_a_time,
-        programs=tuple(args.programs.split(",")),
     )
     result["device"] = str(jax.devices()[0].device_kind)
     result["config"] = {"config": args.config, "overrides": args.overrides}

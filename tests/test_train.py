@@ -145,7 +145,6 @@ def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
         (["fp8_kernels=auto"], "auto", "auto"),
         (["kernels=pallas"], "pallas", "pallas"),
         (["kernels=xla"], "xla", "xla"),
-        (["kernels=interpret"], "auto", "auto"),  # interpret keeps every Pallas kernel
         (["kernels=pallas", "fp8_kernels=xla"], "xla", "pallas"),
     ],
 )
@@ -162,6 +161,42 @@ def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
     model_def = model_def_for(cfg.model, cfg)
     model = model_def.bind(model_def.abstract_params)
     assert model.fp8_config.implementation == fp8_ops
+
+
+def test_the_interpret_switch_keeps_every_pallas_kernel(monkeypatch):
+    """The test-only switch (``PALLAS_INTERPRET_ENV``, formerly ``kernels=interpret``): every
+    kernel, the FP8 ops' too, is Pallas's in interpret mode; it needs ``kernels: auto``."""
+    from coat_jax.training.model import model_def_for
+    from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV, kernel_options
+
+    cfg = load_config(REPO / "configs" / "default.yaml", ["precision=coat"])
+    assert kernel_options(cfg, fp8_ops=True) == {"implementation": "xla", "interpret": False}
+    monkeypatch.setenv(PALLAS_INTERPRET_ENV, "1")
+    assert kernel_options(cfg, fp8_ops=True) == {"implementation": "auto", "interpret": True}
+    assert kernel_options(cfg) == {"implementation": "auto", "interpret": True}
+    model_def = model_def_for(cfg.model, cfg)
+    model = model_def.bind(model_def.abstract_params)
+    assert model.fp8_config.implementation == "auto" and model.fp8_config.interpret
+    with pytest.raises(ValueError, match="set kernels=auto or unset COAT_JAX_PALLAS_INTERPRET"):
+        kernel_options(dataclasses.replace(cfg, kernels="xla"))
+    monkeypatch.setenv(PALLAS_INTERPRET_ENV, "yes")
+    with pytest.raises(ValueError, match="COAT_JAX_PALLAS_INTERPRET='yes' is not valid"):
+        kernel_options(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("kernels=interpret", "kernels=interpret was removed: .* use kernels=auto, xla or pallas"),
+        ("fp8_codes_barrier=false", "fp8_codes_barrier was removed: .* always on"),
+        ("fp8_codes_barrier=true", "fp8_codes_barrier was removed"),
+        ("fp8_gemm_output=float32", "fp8_gemm_output was removed: .*docs/bench_gemm_output.md"),
+        ("fp8_gemm_output=compute", "fp8_gemm_output was removed"),
+    ],
+)
+def test_a_removed_option_says_what_replaced_it(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(REPO / "configs" / "default.yaml", [override])
 
 
 def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
@@ -399,13 +434,15 @@ def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("fp8_kernels", [None, "xla"])
-def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path):
+def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path, monkeypatch):
     """``fp8_kernels=xla``: the FP8 activation ops run as XLA (no kernel of theirs in the step)
     while coat_adamw keeps its Pallas kernel; unset, both run Pallas (here in interpret mode)."""
     from coat_jax.training import program
+    from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 
+    monkeypatch.setenv(PALLAS_INTERPRET_ENV, "1")
     extra = [] if fp8_kernels is None else [f"fp8_kernels={fp8_kernels}"]
-    cfg = tiny(tmp_path, str(tmp_path), "kernels=interpret", *extra)
+    cfg = tiny(tmp_path, str(tmp_path), *extra)
     prog = program.build_program(cfg, cfg.model)
     jaxpr = prog.step_fn.trace(
         prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()

@@ -93,10 +93,6 @@ class TrainConfig:
       ``coat`` (default, COAT: two FP8 ops keeping gate, the SiLU output and up) or ``fused``
       (one op keeping gate and up, the SiLU recomputed in backward: one intermediate-size FP8
       tensor less per layer; docs/memory_options.md, "Fused SwiGLU").
-    - ``fp8_gemm_output``: what the FP8 GEMMs whose result is an activation write
-      (``FP8Config.gemm_output``; precision ``fp8`` or ``coat``): ``compute`` (default, BF16
-      straight from cuBLASLt) or ``float32`` (a float32 result, cast afterwards: twice the
-      bytes; docs/fp8_gemm.md).
     - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
       and their gradients; the optimizer still computes in float32 and each update is applied
       with stochastic rounding (``coat_jax.master``). An option, not a default: see
@@ -104,8 +100,9 @@ class TrainConfig:
     - ``kernels``: where coat_adamw's step and the FP8 ops' quantizers and fused non-linear ops
       run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh, except the FP8 ops'
       which ``fp8_kernels`` picks unless set; plain jnp elsewhere),
-      ``xla`` (plain jnp), ``pallas`` (the kernels, an error where one cannot run) or
-      ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
+      ``xla`` (plain jnp) or ``pallas`` (the kernels, an error where one cannot run). Tests
+      run the kernels in Pallas interpret mode on a CPU through the environment variable
+      ``coat_jax.training.optimizers.PALLAS_INTERPRET_ENV``, not through this key.
     - ``fp8_kernels``: ``kernels`` for the FP8 activation ops alone (quantizers and fused
       non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s.
       ``null`` (the default): with ``kernels: auto``, by the run's shape
@@ -175,14 +172,6 @@ class TrainConfig:
       so those tensors cross memory in 2 bytes instead of 4. ``null``: the measured default,
       ``false`` for precision ``coat`` on a GPU and XLA's own otherwise
       (``coat_jax.training.model.excess_precision``, docs/bench_excess_precision.md).
-    - ``fp8_codes_barrier``: pass the FP8 codes that XLA's quantizers make for backward through
-      an optimization barrier (``FP8Config.codes_barrier``), which keeps XLA's excess precision
-      from folding their round trip back into the unquantized values. ``true`` (default).
-      ``false`` needs ``xla_excess_precision: false``, under which nothing can fold: a scanned
-      model's forward then writes its group-scaled codes straight into the stacked residuals
-      instead of copying them there, but XLA splits their quantization into more passes
-      (Llama-2-7B at batch 20 on an H200: 0.65 GiB less at the compiled peak, 0.78% slower;
-      docs/bench_codes_barrier.md).
     - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
       or ``coat``) the range of the FP8 activation scales to the metrics records written
       every ``log_every`` steps (and at the first and last step), computed on those steps
@@ -208,10 +197,9 @@ class TrainConfig:
     fp8_weight_residual: Literal["master", "fp8", "once"] = "once"
     fp8_group_scale: Literal["float32", "e8m0"] = "float32"
     fp8_swiglu: Literal["coat", "fused"] = "coat"
-    fp8_gemm_output: Literal["compute", "float32"] = "compute"
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
-    kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
+    kernels: Literal["auto", "xla", "pallas"] = "auto"
     fp8_kernels: Literal["auto", "xla", "pallas"] | None = None
     fp8_op_kernels: str | None = None
     fused_apply: bool = True
@@ -262,7 +250,6 @@ class TrainConfig:
     compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
     deterministic: bool = False
     xla_excess_precision: bool | None = None
-    fp8_codes_barrier: bool = True
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
@@ -344,25 +331,6 @@ class TrainConfig:
                 f"fp8_swiglu={self.fp8_swiglu} changes the FP8 SiLU and product of precision "
                 f"coat, and precision={self.precision} runs them in BF16; use precision=coat, "
                 "or set fp8_swiglu=coat"
-            )
-        if self.fp8_gemm_output != "compute" and self.precision == "bf16":
-            raise ValueError(
-                f"fp8_gemm_output={self.fp8_gemm_output} changes the FP8 GEMMs, and "
-                "precision=bf16 has none; use precision=fp8 or coat, or set "
-                "fp8_gemm_output=compute"
-            )
-        if not self.fp8_codes_barrier and self.precision == "bf16":
-            raise ValueError(
-                "fp8_codes_barrier=false concerns the FP8 codes kept for backward, and "
-                "precision=bf16 keeps none; use precision=fp8 or coat, or set "
-                "fp8_codes_barrier=true"
-            )
-        if not self.fp8_codes_barrier and self.xla_excess_precision is True:
-            raise ValueError(
-                "fp8_codes_barrier=false with xla_excess_precision=true: XLA's excess precision "
-                "may fold the FP8 round trip of the activations kept for backward back into "
-                "their unquantized values (the saved 'FP8' tensors would silently be float32); "
-                "set xla_excess_precision=false, or fp8_codes_barrier=true"
             )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
@@ -513,11 +481,35 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[leaf] = value
 
 
+# Keys and values the trainer no longer takes, with what replaced them: a config naming one is
+# refused with this line, not with the list of valid keys.
+REMOVED_KEYS = {
+    "fp8_codes_barrier": "fp8_codes_barrier was removed: the optimization barrier on the FP8 "
+    "codes kept for backward is always on (off was slower, docs/bench_codes_barrier.md); "
+    "delete the key",
+    "fp8_gemm_output": "fp8_gemm_output was removed: the FP8 GEMMs always write BF16 "
+    "activations themselves (a float32 result cast afterwards was slower, "
+    "docs/bench_gemm_output.md); delete the key",
+}
+REMOVED_VALUES = {
+    ("kernels", "interpret"): "kernels=interpret was removed: Pallas interpret mode is for "
+    "tests, which set the environment variable COAT_JAX_PALLAS_INTERPRET=1; use kernels=auto, "
+    "xla or pallas",
+}
+
+
 def _build(cls, raw: Mapping[str, Any], prefix: str):
     if not isinstance(raw, Mapping):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    if cls is TrainConfig:
+        for name, value in raw.items():
+            removed = REMOVED_KEYS.get(name)
+            if removed is None and isinstance(value, str):
+                removed = REMOVED_VALUES.get((name, value))
+            if removed is not None:
+                raise ValueError(removed)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         valid = ", ".join(prefix + name for name in fields)

@@ -84,9 +84,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         group_scale=cfg.fp8_group_scale,
         swiglu=cfg.fp8_swiglu,
         attention_backward=cfg.fp8_attention_backward,
-        gemm_output=cfg.fp8_gemm_output,
         attention="xla" if cfg.deterministic else "auto",
-        codes_barrier=codes_barrier(cfg),
         op_implementations=parse_op_kernels(cfg.fp8_op_kernels),
         **kernel_options(
             cfg,
@@ -207,19 +205,3 @@ def excess_precision(cfg: TrainConfig, backend: str | None = None) -> bool | Non
     if cfg.precision == "coat" and is_gpu_backend(backend):
         return False
     return None
-
-
-def codes_barrier(cfg: TrainConfig, backend: str | None = None) -> bool:
-    """``FP8Config.codes_barrier`` for ``cfg``'s model: ``cfg.fp8_codes_barrier``, checked.
-
-    ``False`` (no optimization barrier on the FP8 codes XLA's quantizers make for backward) is
-    refused unless :func:`excess_precision` is ``False`` on ``backend``: under XLA's excess
-    precision the kept "FP8" activations could silently be the unquantized values.
-    """
-    if not cfg.fp8_codes_barrier and excess_precision(cfg, backend) is not False:
-        raise ValueError(
-            "fp8_codes_barrier=false needs the step compiled without excess precision, and "
-            "xla_excess_precision resolves to XLA's default on this backend: set "
-            "xla_excess_precision=false, or fp8_codes_barrier=true"
-        )
-    return bool(cfg.fp8_codes_barrier)

@@ -130,14 +130,8 @@ def compiler_options(cfg: TrainConfig) -> dict | None:
     return options or None
 
 
-def build_program(
-    cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None, *, observe_activations: bool = True
-) -> TrainProgram:
-    """The model, optimizer, shardings and the jitted train and evaluation steps of ``cfg``.
-
-    ``observe_activations=False`` leaves the activation telemetry out of a ``telemetry: true``
-    step (the telemetry benchmark's program with the optimizer state's telemetry alone).
-    """
+def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainProgram:
+    """The model, optimizer, shardings and the jitted train and evaluation steps of ``cfg``."""
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp) if mesh is None else mesh
     sharding.check_batch_divisible(cfg.batch_size, mesh)
     # Several devices: the kernels run per shard on the mesh (even a mesh of one device, which
@@ -171,7 +165,7 @@ def build_program(
             tx,
             seed=cfg.seed,
             telemetry=state_telemetry(cfg, schedule),
-            activations=activation_telemetry(cfg) if observe_activations else None,
+            activations=activation_telemetry(cfg),
             fused_apply=cfg.fused_apply,
         )
     # Train batches are [microbatches, batch, T + 1]; validation batches [batch, T + 1].
