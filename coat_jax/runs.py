@@ -56,9 +56,8 @@ def checksum(x) -> jax.Array:
 
 
 # One program for the whole tree, not one per leaf: on sharded leaves each checksum ends in a
-# cross-device reduction, and hundreds of small collective programs in flight at once stalled
-# XLA:CPU on 8 fake devices (7 of 8 threads reached an all-reduce; FP8 optimizer states have
-# four leaves per moment, so they hit it first).
+# cross-device reduction, and many small collective programs in flight at once can stall
+# XLA:CPU's fake devices (FP8 optimizer states, with four leaves per moment, hit it first).
 _tree_checksums = jax.jit(lambda tree: jax.tree.map(checksum, tree))
 
 

@@ -383,10 +383,10 @@ class Checkpointer:
         """Allocates, in a background thread, the pinned host memory the first save will use.
 
         On a GPU Orbax copies the state to pinned host memory before it returns from a save.
-        The first allocation of that memory is slow and later ones reuse it: on an H200 the
-        first copy of Llama-2-7B's 41.69 GB COAT state took 52.21 s and the second 0.76 s
-        (``benchmarks/bench_checkpoint.py``, docs/reliability.md). Buffers shaped like this
-        process's shards of the state are made (zeros) and freed while training starts, so the first save blocks the loop about as briefly as the later ones.
+        The first allocation of that memory is slow and later ones reuse it (measured with
+        ``benchmarks/bench_checkpoint.py``: docs/reliability.md). Buffers shaped like this
+        process's shards of the state are made (zeros) and freed while training starts, so the
+        first save blocks the loop about as briefly as the later ones.
         Elsewhere (no ``pinned_host`` memory, or not a GPU: Orbax then copies without it)
         nothing is done and ``None`` is returned.
         """

@@ -76,8 +76,8 @@ class TrainConfig:
     - ``fp8_weight_residual``: how the FP8 linears get their weights' E4M3 codes
       (``FP8Config.weight_residual``). ``once`` (default): every linear weight is quantized
       once per step before the layers run, all layers of a scanned model in one pass, and
-      forward and backward read those codes (1 byte per weight for the whole step; Llama-2-7B
-      on an H200: 1.180x the tokens/s of ``master`` at batch 1, 5.96 GiB more). ``master``
+      forward and backward read those codes (1 byte per weight for the whole step; faster than
+      ``master`` for a little more memory: docs/memory_options.md). ``master``
       quantizes in forward and again in backward, keeping no codes (the leanest, e.g. with
       ``optimizer_in_backward``); ``fp8`` keeps forward's codes for backward
       (docs/memory_options.md).
@@ -113,9 +113,8 @@ class TrainConfig:
       runs the Pallas kernels of the FP8 ops, ``auto`` the Pallas kernels where one runs (a
       GPU; a shape a kernel cannot take falls back to XLA op by op) and the references
       elsewhere. The choice follows ``batch_size``: ``--plan`` compiles its other batch sizes
-      with it. Measured on the H200 (docs/bench_fp8_kernels.md), the Pallas kernels' tokens/s
-      against XLA's fusions': Llama-2-7B 2.2% lower at batch 1, level at batch 4, 0.9% to 2.8%
-      higher at batches 8 to 20; the 76M model 3.5% and 4.0% lower at 16384 and 65536 tokens.
+      with it. The thresholds follow the measured tokens/s of the Pallas kernels against XLA's
+      fusions (docs/bench_fp8_kernels.md).
     - ``fp8_op_kernels``: exceptions to ``fp8_kernels``, op by op:
       ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``, which
       merges into a ``base:`` file's setting op by op, and ``fp8_op_kernels.OP=IMPL`` on the
@@ -157,14 +156,12 @@ class TrainConfig:
       without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
       collectives across devices are not covered. The model's attention then runs as XLA's
       (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by
-      default. On the H200 (JAX 0.11.2) two runs of a tiny COAT model with it repeat bit for
-      bit (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With
-      cuDNN's attention the BF16 and COAT steps had failed to compile under the XLA option
-      (cause not located); an error of the first step under this option is reported as one
-      that names it.
-      The CPU backend is deterministic without it. Why it exists: two H200 runs of BF16 seed 0
-      of the ``scratch_code`` study, one session's code changes apart (none of them in BF16's
-      step), ended 0.0048 apart in validation loss (docs/accuracy.md).
+      default. On a GPU two runs of a tiny COAT model with it repeat bit for bit
+      (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With cuDNN's
+      attention the BF16 and COAT steps failed to compile under the XLA option (cause not
+      located), hence XLA's attention; an error of the first step under this option is
+      reported as one that names it. The CPU backend is deterministic without it. Why it
+      exists: two GPU runs of the same BF16 step did not repeat (docs/accuracy.md).
     - ``xla_excess_precision``: XLA's ``xla_allow_excess_precision`` for the training step and
       the evaluation (``coat_jax.training.program.compiler_options``). ``true`` (XLA's own default)
       lets XLA keep a bfloat16 intermediate in float32 between two fusions (it removes the

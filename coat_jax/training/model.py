@@ -118,11 +118,11 @@ def init_params_fn(llama_cfg: LlamaConfig, cfg: TrainConfig, param_shardings):
     """``key -> params``, drawing each shard of the weights on its device.
 
     The key is an argument: a jitted function of no arguments would make it a constant, and
-    XLA then constant-folds the random weights at compile time (for Llama-2-7B: still
-    compiling after 290 s on the H200). The weights are always drawn in the scanned layout, one
-    vmapped layer init (Llama-2-7B: 5.9 s with its compile, H200). An unrolled run then takes
-    each layer out with one jitted slice: drawing 32 layers in one unrolled program took 83 s,
-    and slicing the stacked draw inside that program compiled for over 145 s (H200, JAX 0.11.2).
+    XLA then constant-folds the random weights at compile time, which for a large model takes
+    far longer than drawing them. The weights are always drawn in the scanned layout, one
+    vmapped layer init that compiles once for all layers. An unrolled run then takes each
+    layer out with one jitted slice: drawing every layer in one unrolled program, or slicing
+    the stacked draw inside that program, compiles for much longer.
     """
     stacked_cfg = dataclasses.replace(cfg, scan_layers=True)
 
@@ -193,9 +193,9 @@ def excess_precision(cfg: TrainConfig, backend: str | None = None) -> bool | Non
     """XLA's ``xla_allow_excess_precision`` for ``cfg``'s programs; ``None``: XLA's default.
 
     ``cfg.xla_excess_precision`` where set. Unset: ``False`` for precision ``coat`` on a GPU
-    backend, where rounding every bfloat16 intermediate was measured faster on the H200
-    (Llama-2-7B batch 1 2.1% faster, step times apart; BF16's step was not faster, so it keeps
-    XLA's default, and ``fp8`` was not measured: docs/bench_excess_precision.md). Elsewhere
+    backend, where rounding every bfloat16 intermediate was measured faster (BF16's step was
+    not, so it keeps XLA's default, and ``fp8`` was not measured:
+    docs/bench_excess_precision.md). Elsewhere
     XLA's default: nothing was measured there, and a jit without compiler options can still be
     traced inside another (``jax.make_jaxpr(program.step_fn)``), which JAX refuses for one with
     options.

@@ -99,12 +99,10 @@ def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransfor
 # Where the FP8 activation ops run when ``fp8_kernels`` is unset and ``kernels`` is ``auto``:
 # ``auto`` (the Pallas kernels where they run, XLA's fusions elsewhere) for a model at least
 # FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS microbatch tokens per device,
-# ``xla`` (XLA's fusions of the jnp references, fused into their neighbours) otherwise. Measured
-# on the H200 with train.py's step (docs/bench_fp8_kernels.md): Llama-2-7B (hidden 4096) at
-# sequence 2048 with the memory options, the Pallas kernels' tokens/s against XLA's fusions':
-# 2.2% lower at batch 1, 0.5% lower at 2, level at 4 (+0.3%), 0.9% to 2.8% higher at 8 to 20
-# (16384 to 40960 tokens); the 76M model (hidden 768) 3.5% lower at 16384 tokens and 4.0% lower
-# at 65536. Nothing between hidden 768 and 4096 was measured.
+# ``xla`` (XLA's fusions of the jnp references, fused into their neighbours) otherwise. The
+# thresholds are where the Pallas kernels' tokens/s measured at least level with XLA's fusions
+# in train.py's step; the measurements, and the widths not measured, are in
+# docs/bench_fp8_kernels.md.
 FP8_PALLAS_MIN_HIDDEN = 4096
 FP8_PALLAS_MIN_TOKENS = 16384
 

@@ -135,7 +135,7 @@ def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainP
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp) if mesh is None else mesh
     sharding.check_batch_divisible(cfg.batch_size, mesh)
     # Several devices: the kernels run per shard on the mesh (even a mesh of one device, which
-    # places the program on one of several); one device in the process: no mesh, as ever.
+    # places the program on one of several); one device in the process: no mesh.
     kernel_mesh = mesh if jax.device_count() > 1 else None
     model_def = model_def_for(llama_cfg, cfg, kernel_mesh)
     schedule = make_schedule(cfg)

@@ -70,8 +70,8 @@ class Progress:
             # host's own work in between (writing a record) neither shortens nor lengthens a
             # window. Only steps seen with the next one already in flight are timed: that is
             # how every step but the last before a drain (an evaluation, a save, the end) is
-            # seen, and on the H200 it is seen later than a step with nothing after it (a 7B
-            # run's final step looked 0.5 s shorter than the others). A window needs two timed
+            # seen, and on a GPU such a step is seen later than one with nothing after it, so
+            # mixing the two would skew the window. A window needs two timed
             # steps, so with eval_every or checkpoint_every of 1 or 2 no record has tokens/s.
             self._finished(step, values, now if self.in_flight else None)
 

@@ -66,13 +66,13 @@ class RunState:
 def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
     optimizer = optimizer_fingerprint(cfg)
     if not cfg.fp8_state:
-        # Recorded only when set, so that checkpoints from before the option still resume.
+        # Recorded only when set, so that checkpoints without the key still resume.
         del optimizer["fp8_state"]
     return {
         "precision": cfg.precision,
         **optimizer,
         "tokenizer": tokenizer.identity,
-        # Recorded only when not the default, so that checkpoints from before the option resume.
+        # Recorded only when not the default, so that checkpoints without the key resume.
         **({"master_dtype": cfg.master_dtype} if cfg.master_dtype != "float32" else {}),
         # The per-layer state layout (coat_jax.training.layerwise) is not the plain one.
         **({"optimizer_in_backward": True} if cfg.optimizer_in_backward else {}),
@@ -345,7 +345,7 @@ FIRST_STEP_THREAD = "coat_jax first step"
 def first_step(step_fn, args, stop: GracefulStop):
     """``step_fn(*args)`` for the first step, in a thread, so a stop signal is honoured at once.
 
-    The first call compiles the step (minutes at 7B), which a signal handler cannot
+    The first call compiles the step (minutes for a large model), which a signal handler cannot
     interrupt; the main thread waits here instead and returns None when a signal arrives
     first, leaving the thread to finish on its own.
     """
@@ -386,7 +386,6 @@ def first_step_of(cfg: TrainConfig, step_fn, args, stop: GracefulStop):
         raise ValueError(
             f"the first training step failed to compile or run with deterministic=true (XLA's "
             f"xla_gpu_deterministic_ops): {type(e).__name__}: {str(e)[:300]}. Set "
-            "deterministic=false; on JAX 0.11.2 on an H200 BF16 and COAT steps with cuDNN's "
-            "attention failed to compile this way, and the same step with "
-            "compute_dtype=float32 compiled"
+            "deterministic=false (BF16 and COAT steps with cuDNN's attention have failed to "
+            "compile this way, the same step with compute_dtype=float32 compiled)"
         ) from e
