@@ -1,4 +1,4 @@
-"""The training loop: ``train(cfg)`` runs a whole job from a :class:`~coat_jax.training.config.TrainConfig`.
+"""The training loop: ``train(cfg)`` runs a whole job from a ``TrainConfig``.
 
 The run is set up by :mod:`coat_jax.training.run` and its program built by
 :mod:`coat_jax.training.program`; this module steps it, evaluates, saves checkpoints and
@@ -22,15 +22,9 @@ from coat_jax.generate import sample_text
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
-from coat_jax.training.data import (
-    PackedWindows,
-    validation_batches,
-)
+from coat_jax.training.data import PackedWindows, validation_batches
 from coat_jax.training.errors import error_line, exit_code
-from coat_jax.training.metrics import (
-    MetricsLog,
-    plot_loss_curve,
-)
+from coat_jax.training.metrics import MetricsLog, plot_loss_curve
 from coat_jax.training.model import COMPUTE_DTYPES
 from coat_jax.training.progress import Progress
 from coat_jax.training.run import GracefulStop, RunState, first_step_of, setup_run

@@ -23,9 +23,7 @@ from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
 from coat_jax.training.op_kernels import parse_op_kernels
-from coat_jax.training.optimizers import (
-    kernel_options,
-)
+from coat_jax.training.optimizers import kernel_options
 from pallas_kernels.sharding import KernelMesh
 
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}

@@ -31,9 +31,7 @@ from coat_jax.training.model import (
     model_def_for,
     next_token_loss,
 )
-from coat_jax.training.optimizers import (
-    make_optimizer,
-)
+from coat_jax.training.optimizers import make_optimizer
 from coat_jax.training.step import make_train_step, with_rounding_count
 from coat_jax.training.telemetry import state_telemetry
 

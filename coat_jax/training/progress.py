@@ -17,13 +17,8 @@ import numpy as np
 
 from coat_jax.training.checkpoint import Checkpointer, CheckpointSaveError
 from coat_jax.training.errors import DivergedError
-from coat_jax.training.metrics import (
-    device_peak_bytes,
-    host_peak_rss_bytes,
-)
-from coat_jax.training.telemetry import (
-    logged_metrics,
-)
+from coat_jax.training.metrics import device_peak_bytes, host_peak_rss_bytes
+from coat_jax.training.telemetry import logged_metrics
 
 
 def _fmt_bytes(n: int) -> str:

@@ -26,12 +26,7 @@ from coat_jax.runs import resolve_init_from
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError
 from coat_jax.training.config import TrainConfig
-from coat_jax.training.data import (
-    PackedWindows,
-    TrainOrder,
-    make_tokenizer,
-    tokenize_to_cache,
-)
+from coat_jax.training.data import PackedWindows, TrainOrder, make_tokenizer, tokenize_to_cache
 from coat_jax.training.model import (
     COMPUTE_DTYPES,
     MASTER_DTYPES,
@@ -39,9 +34,7 @@ from coat_jax.training.model import (
     llama_config_from_dict,
     split_params,
 )
-from coat_jax.training.optimizers import (
-    optimizer_fingerprint,
-)
+from coat_jax.training.optimizers import optimizer_fingerprint
 from coat_jax.training.program import TrainProgram, build_program, with_shardings
 
 # ----------------------------------------------------------------------------- set-up / restore

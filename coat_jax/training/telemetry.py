@@ -77,12 +77,7 @@ from jax import lax
 from coat_jax import quant
 from coat_jax.fp8_ops import placeholder
 from coat_jax.fp8_wrapper import find_fp8_states
-from coat_jax.optim import (
-    DEFAULT_GROUP_SIZE,
-    apply_gradients,
-    clip_factor,
-    find_coat_states,
-)
+from coat_jax.optim import DEFAULT_GROUP_SIZE, apply_gradients, clip_factor, find_coat_states
 from coat_jax.training.config import TrainConfig
 from coat_jax.training.optimizers import make_optimizer
 from coat_jax.training.sharding import _is_stacked_layer

@@ -22,10 +22,7 @@ from jax import lax
 
 from coat_jax import quant
 from coat_jax.fp8_wrapper import _field_name, _owner
-from coat_jax.optim import (
-    _moment_of,
-    _moments_of,
-)
+from coat_jax.optim import _moment_of, _moments_of
 
 
 @dataclasses.dataclass(frozen=True)
