@@ -160,7 +160,7 @@ WHOLE_GROUPS = [
 def test_pallas_kernels_in_the_backward_scan(shape):
     """The fused coat_adamw kernel and the FP8 kernels (Pallas interpret) inside the scan: on
     slices of the stacks (short groups) or inside them (whole groups)."""
-    extra = ["model.num_hidden_layers=1", "batch_size=2", *shape]
+    extra = ["kernels=auto", "model.num_hidden_layers=1", "batch_size=2", *shape]
     if shape:
         extra += ["model.num_hidden_layers=2", "seq_len=16"]
     with pallas_interpret():
@@ -261,6 +261,7 @@ def test_the_kernel_steps_each_layer_inside_the_stacks(kernels):
     reference path slices inside its apply (XLA fuses those into in-place updates)."""
     # E5M2 moments: the stacked weight codes the backward reads by index are E4M3.
     extra = [*WHOLE_GROUPS, "optimizer_in_backward=true", "mu_format=e5m2", "nu_format=e5m2"]
+    extra += ["kernels=auto"] if kernels == "interpret" else ["kernels=xla"]
     mode = pallas_interpret() if kernels == "interpret" else contextlib.nullcontext()
     with mode:
         fused, unfused = program(*extra), program(*extra, "fused_apply=false")
@@ -382,9 +383,9 @@ print("REPORT" + json.dumps(out))
     "extra, interpret",
     [
         ([], False),
-        (["model.num_hidden_layers=1"], True),
+        (["kernels=auto", "model.num_hidden_layers=1"], True),
         # The kernel steps each layer inside the stacks, per shard.
-        ([*WHOLE_GROUPS, "seq_len=16", "mu_format=e5m2"], True),
+        (["kernels=auto", *WHOLE_GROUPS, "seq_len=16", "mu_format=e5m2"], True),
     ],
     ids=["xla", "pallas-per-shard", "pallas-in-place-per-shard"],
 )
