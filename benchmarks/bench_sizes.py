@@ -4,7 +4,7 @@ One ``benchmarks/bench_e2e.py --no-search`` run per model size, every mode of ``
 side by side in it (each setting in its own process), at a fixed batch x sequence per size so
 that the tokens per step stay about constant. bench_e2e builds everything the way
 ``python train.py`` does (``coat_jax.training.load_config`` of configs/default.yaml with the
-size's ``model.*`` overrides, ``coat_jax.training.loop.build_program``); nothing here builds a
+size's ``model.*`` overrides, ``coat_jax.training.program.build_program``); nothing here builds a
 model. The report takes each mode's fastest setting per size and prints the COAT/BF16 tokens/s
 ratio, the peak memory, and a sentence computed from the data: from which measured size COAT's
 tokens/s is at least BF16's.
@@ -389,7 +389,7 @@ def report(rows: list[dict], sweep: list[dict], setups: list[dict]) -> str:
         "Every number is `train.py`'s own step, timed by `benchmarks/bench_e2e.py --no-search` "
         "(one run per size, each setting in its own process): `configs/default.yaml` with the "
         "size's `model.*` overrides, loaded by `coat_jax.training.load_config`, the step built by "
-        "`coat_jax.training.loop.build_program` (forward, backward, gradient clipping, the "
+        "`coat_jax.training.program.build_program` (forward, backward, gradient clipping, the "
         "optimizer with the config's schedule and weight-decay mask, float32 master weights, "
         "bfloat16 activations, parameters and optimizer state donated; a setting's `key=value` "
         "extras change these). Tokens/s is batch x sequence over the median step time, the host "

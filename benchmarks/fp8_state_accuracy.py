@@ -37,7 +37,7 @@ from flax import nnx  # noqa: E402
 from coat_jax import quant  # noqa: E402
 from coat_jax.fp8_wrapper import quantized_paths  # noqa: E402
 from coat_jax.llama import Llama, LlamaConfig  # noqa: E402
-from coat_jax.training import load_config, loop, optimizers, train  # noqa: E402
+from coat_jax.training import load_config, optimizers, program, train  # noqa: E402
 
 OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "muon")
 LEARNING_RATES = {"adamw": 3e-3, "lion": 3e-4, "sgd": 0.3, "adafactor": 3e-3, "muon": 3e-3}
@@ -95,7 +95,7 @@ def state_bytes_table() -> str:
         for fp8 in (False, True):
             cfg = dataclasses.replace(base, optimizer=opt, fp8_state=fp8)
             state = jax.eval_shape(
-                optimizers.make_optimizer(cfg, loop.make_schedule(cfg)).init, params
+                optimizers.make_optimizer(cfg, program.make_schedule(cfg)).init, params
             )
             per[fp8] = (quant.state_bytes(state) / n, len(quantized_paths(state)) if fp8 else 0)
         lines.append(
@@ -103,7 +103,7 @@ def state_bytes_table() -> str:
             f"{C.times(per[False][0] / per[True][0], 2)} | {per[True][1]} |"
         )
     cfg = dataclasses.replace(base, optimizer="coat_adamw")
-    state = jax.eval_shape(optimizers.make_optimizer(cfg, loop.make_schedule(cfg)).init, params)
+    state = jax.eval_shape(optimizers.make_optimizer(cfg, program.make_schedule(cfg)).init, params)
     lines.append(f"| coat_adamw (fused) | | {quant.state_bytes(state) / n:.4f} | | |")
     return "\n".join(lines)
 

@@ -365,7 +365,7 @@ def from_pretrained(
 # ----------------------------------------------------------------------------- saving / converting
 
 
-def _copy_sidecars(src: str, dst: str):
+def copy_sidecars(src: str, dst: str):
     if not os.path.isdir(src):
         return
     for name in SIDECAR_FILES:
@@ -490,7 +490,7 @@ def convert(
                 yield e.hf_name, e.transform.inverse(source.get(e.jax_name))
 
     _write_folder(dst, config, to, tensors(), max_shard_bytes)
-    _copy_sidecars(src, dst)
+    copy_sidecars(src, dst)
 
 
 def save_pretrained(
@@ -540,4 +540,4 @@ def save_pretrained(
     dst = os.fspath(dst)
     _write_folder(dst, model.config, format, tensors(), max_shard_bytes)
     if tokenizer_from is not None:
-        _copy_sidecars(os.fspath(tokenizer_from), dst)
+        copy_sidecars(os.fspath(tokenizer_from), dst)

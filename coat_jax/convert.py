@@ -14,10 +14,26 @@ AutoTokenizer.from_pretrained. Tensors stream one at a time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+
+from coat_jax import checkpoint_io
+from coat_jax.checkpoint_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    copy_sidecars,
+    save_pretrained,
+    write_generation_config,
+    write_tokenizer_files,
+)
+from coat_jax.command_line import ErrorParser, one_line_error
+from coat_jax.llama import LlamaConfig
+from coat_jax.runs import check_identity, is_run_dir, read_run, run_model, tokenizer_source
+from coat_jax.tokenizer import load_tokenizer
 
 EXAMPLES = """\
 examples:
@@ -31,6 +47,9 @@ DTYPE_HELP = {
     "gguf-to-hf": "weight dtype (default float32: every dequantized value exactly)",
     "run-to-hf": "weight dtype (default float32: the master weights bit for bit)",
 }
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+# The byte tokenizer's BOS and EOS (ids 256 and 257) as text, in its Hugging Face form.
+BYTE_BOS, BYTE_EOS = "<|bos|>", "<|eos|>"
 # What each kind of source converts with, for errors that name the right command.
 _COMMAND_FOR_KIND = {
     "hf": "hf-to-jax",
@@ -38,21 +57,6 @@ _COMMAND_FOR_KIND = {
     "gguf": "gguf-to-hf",
     "run": "run-to-hf",
 }
-
-
-class ErrorParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line, ``error: <what>; <what to do>``."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message}; see {self.prog} --help\n")
-
-
-def one_line_error(error: Exception, advice: str) -> str:
-    """``error: <what>; <what to do>`` on one line; `advice` when the message has none."""
-    message = "; ".join(part.strip() for part in str(error).splitlines() if part.strip())
-    if ";" not in message:
-        message = f"{message}; {advice}"
-    return f"error: {message}"
 
 
 _DESCRIBED = {
@@ -64,13 +68,10 @@ _DESCRIBED = {
 
 
 def _kind(path: str) -> str | None:
-    from coat_jax.checkpoint_io import checkpoint_kind
-    from coat_jax.training.export import is_run_dir
-
     if is_run_dir(path):
         return "run"
     try:
-        return checkpoint_kind(path)
+        return checkpoint_io.checkpoint_kind(path)
     except ValueError:
         return None
 
@@ -91,8 +92,6 @@ def _check_source(command: str, src: str, want: str) -> None:
 
 
 def _run(args) -> str:
-    from coat_jax import checkpoint_io
-
     if args.command in ("hf-to-jax", "jax-to-hf"):
         want = "hf" if args.command == "hf-to-jax" else "coat-jax"
         _check_source(args.command, args.src, want)
@@ -100,16 +99,12 @@ def _run(args) -> str:
         checkpoint_io.convert(args.src, args.dst, to=to, max_shard_bytes=args.max_shard_bytes)
         return f"{args.command}: wrote {args.dst}"
     if args.command == "gguf-to-hf":
-        import jax.numpy as jnp
-
         _check_source(args.command, args.src, "gguf")
-        dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+        dtype = EXPORT_DTYPES[args.dtype]
         checkpoint_io.gguf_to_hf(
             args.src, args.dst, dtype=dtype, max_shard_bytes=args.max_shard_bytes
         )
         return f"gguf-to-hf: wrote {args.dst} ({args.dtype} weights, tokenizer, chat template)"
-    from coat_jax.training.export import export_run_to_hf
-
     _check_source(args.command, args.src, "run")
     result = export_run_to_hf(
         args.src,
@@ -124,9 +119,110 @@ def _run(args) -> str:
     )
 
 
-def _parser() -> ErrorParser:
-    from coat_jax.checkpoint_io import DEFAULT_MAX_SHARD_BYTES
+# ----------------------------------------------------------------------------- byte tokenizer
 
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table, the one `tokenizers`' ByteLevel uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_tokenizer_hf():
+    """`coat_jax.ByteTokenizer` as a transformers fast tokenizer with the same ids.
+
+    Bytes 0..255 are tokens 0..255 (a byte-level BPE vocabulary of single bytes and no merges),
+    BOS and EOS are the special tokens 256 and 257 (``<|bos|>``, ``<|eos|>``); like the byte
+    tokenizer it adds neither on its own, and special-token text in the input stays bytes.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: b for b, c in enumerate(_gpt2_byte_chars())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (BYTE_BOS, BYTE_EOS)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BYTE_BOS, eos_token=BYTE_EOS, split_special_tokens=True
+    )
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    step: int
+    dst: Path
+    config: LlamaConfig
+    tokenizer_note: str
+
+
+def export_run_to_hf(
+    run_dir: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    step: int | None = None,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> ExportResult:
+    """Writes a run's checkpoint as a Hugging Face Llama folder that transformers loads.
+
+    Args:
+      run_dir: the run's output_dir.
+      dst: a new or empty folder.
+      step: the checkpoint step; None means the newest.
+      dtype: "float32" (the master weights, bit for bit) or "bfloat16".
+      max_shard_bytes: above this the weights are split into shards plus an index.
+
+    Returns:
+      The step, folder and config written, and a sentence saying where the tokenizer came from.
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {list(EXPORT_DTYPES)}")
+    run = read_run(run_dir, step=step)
+    source = tokenizer_source(run)
+    tokenizer = byte_tokenizer_hf() if source is None else load_tokenizer(source)
+    if source is not None:
+        check_identity(run, tokenizer, source)
+    model = run_model(run, dtype=jnp.float32)
+    dst = Path(dst).expanduser()
+    save_pretrained(
+        model, dst, format="hf", dtype=EXPORT_DTYPES[dtype], max_shard_bytes=max_shard_bytes
+    )
+    if source is None:
+        files = write_tokenizer_files(tokenizer, dst)
+        note = (
+            "the byte tokenizer (UTF-8 bytes = ids 0..255, <|bos|> 256, <|eos|> 257) as an "
+            f"equivalent Hugging Face tokenizer: {', '.join(files)}"
+        )
+    elif os.path.isfile(source):
+        files = write_tokenizer_files(tokenizer, dst)
+        note = f"the tokenizer of {source}, rebuilt from its GGUF metadata: {', '.join(files)}"
+    else:
+        before = set(os.listdir(dst))
+        copy_sidecars(source, dst)
+        write_generation_config(tokenizer, dst)
+        files = sorted(set(os.listdir(dst)) - before)
+        note = f"the tokenizer files of {source}: {', '.join(files)}"
+    return ExportResult(step=run.step, dst=dst, config=run.config, tokenizer_note=note)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _parser() -> ErrorParser:
     parser = ErrorParser(
         prog="python -m coat_jax.convert",
         description=__doc__,

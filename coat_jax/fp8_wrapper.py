@@ -373,8 +373,3 @@ def dequantized_state(opt_state, *, group_size: int = 128):
         state.expand,
         state.center,
     )
-
-
-# The names coat_jax/training/telemetry.py imports; field_name and owner are public.
-_field_name = field_name
-_owner = owner

@@ -69,3 +69,11 @@ def relayout(tree, *, scan_layers: bool):
     convert = stack_layers if scan_layers else unstack_layers
     is_params = lambda x: isinstance(x, Mapping) and "layers" in x and "embed_tokens" in x
     return jax.tree.map(lambda x: convert(x) if is_params(x) else x, tree, is_leaf=is_params)
+
+
+def is_stacked_layer(path) -> bool:
+    """Whether a parameter at key ``path`` is a leaf of the scanned layout's ``layers`` (its
+    leading axis is the layer index): the layout rule the FSDP sharding and the optimizer's
+    kernels take from the model (``pallas_kernels.sharding.fsdp_param_spec(is_stacked=...)``)."""
+    keys = [getattr(k, "key", None) for k in path]
+    return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)

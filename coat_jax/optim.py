@@ -395,11 +395,6 @@ def moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: in
     return [state_codec.load(*parts, group_size) for parts in zip(*per_field, strict=True)]
 
 
-# The names coat_jax/training/telemetry.py imports; moments_of and state_codec.load are public.
-_moments_of = moments_of
-_moment_of = state_codec.load
-
-
 def coat_adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -509,9 +504,6 @@ def coat_adamw(
     def apply_at_fn(grads, state, params, index):
         return apply_fn(grads, state, params, index=index)
 
-    # coat_jax/training/layerwise.py reads this attribute to choose the in-place step; once it
-    # asks coat_jax.optim.fused_in_place(tx) instead, the attribute goes.
-    tx.update.apply_at = apply_at_fn
     return FusedGradientTransformation(tx.init, tx.update, apply_fn, apply_at_fn)
 
 

@@ -305,24 +305,3 @@ def over_batch(in_kinds: str, out_kinds: str):
         return wrapped
 
     return decorate
-
-
-# Llama's layout rule and the two functions with it, for coat_jax.training's current imports
-# (coat_jax/training/sharding.py): remove this block once the trainer passes the model's rule to
-# fsdp_param_spec / fsdp_param_shardings.
-
-
-def _is_stacked_layer(path) -> bool:
-    """A leaf of the scanned layout's ``layers`` (leading axis: the layer index)."""
-    keys = [getattr(k, "key", None) for k in path]
-    return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)
-
-
-def param_spec(path, shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
-    """:func:`fsdp_param_spec` with Llama's layout rule."""
-    return fsdp_param_spec(path, shape, fsdp_size, is_stacked=_is_stacked_layer)
-
-
-def param_shardings(abstract_params, mesh: Mesh):
-    """:func:`fsdp_param_shardings` with Llama's layout rule."""
-    return fsdp_param_shardings(abstract_params, mesh, is_stacked=_is_stacked_layer)

@@ -11,6 +11,7 @@ gradient).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 import coat_jax
 from coat_jax import fp8_ops
 from coat_jax.training import sharding
+from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 from pallas_kernels import dispatch, fp8_act, fp8_quant
 from pallas_kernels.sharding import KernelMesh, group_aligned_spec
 from tests.jaxprs import pallas_calls
@@ -383,8 +385,10 @@ TINY = [
     *tiny_run(layers=1),
     "compilation_cache_dir=null",
     "compute_dtype=float32",
-    "kernels=interpret",
 ]
+# The trainer's kernels in Pallas interpret mode, as a CPU needs (the test-only switch; this
+# module runs in a process of its own).
+os.environ[PALLAS_INTERPRET_ENV] = "1"
 KERNELS = {
     "coat_adamw_apply",  # the trainer's default fused_apply: the kernel also writes the weight
     "fp8_scaled_cast",
@@ -410,7 +414,7 @@ def _abstract(tree, shardings):
 
 
 def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothing():
-    from coat_jax.training.loop import build_program
+    from coat_jax.training.program import build_program
 
     # Scanned layers wide enough that some weights split their last axis (128 columns each).
     cfg = _config(

@@ -53,8 +53,8 @@ def test_val_documents_errors_name_the_documents(tmp_path):
 
 def test_encode_many_equals_encode_per_document(monkeypatch):
     # The cache's tokens do not depend on how many documents a fast tokenizer encodes at once.
+    from coat_jax.convert import byte_tokenizer_hf
     from coat_jax.training import data
-    from coat_jax.training.export import byte_tokenizer_hf
 
     tok = Tokenizer(byte_tokenizer_hf(), "byte-hf")
     texts = [f"doc {i}: " + "héllo wörld " * (i + 1) for i in range(5)]

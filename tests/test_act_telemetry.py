@@ -21,8 +21,9 @@ from jax.extend.core import jaxprs_in_params
 from coat_jax import fp8_ops, quant
 from coat_jax.llama import Llama
 from coat_jax.training import layerwise, load_config
-from coat_jax.training.loop import (
-    build_program,
+from coat_jax.training import program as program_module
+from coat_jax.training.act_telemetry import ActivationTelemetry, activation_telemetry
+from coat_jax.training.model import (
     init_params_fn,
     loss_from_hidden,
     model_def_for,
@@ -30,13 +31,9 @@ from coat_jax.training.loop import (
     observed_next_token_loss,
 )
 from coat_jax.training.optimizers import make_optimizer
+from coat_jax.training.program import build_program
 from coat_jax.training.sharding import make_mesh, param_shardings
-from coat_jax.training.telemetry import (
-    ACT_COMPUTED,
-    ActivationTelemetry,
-    activation_telemetry,
-    logged_metrics,
-)
+from coat_jax.training.telemetry import ACT_COMPUTED, logged_metrics
 from pallas_kernels import fp8_quant
 from tests.tiny_runs import tiny_run
 
@@ -314,7 +311,7 @@ def sizes_outside_conds(jaxpr) -> collections.Counter:
 
 
 @pytest.mark.parametrize("layout", [[], ["scan_layers=true", "remat=activations"]])
-def test_outside_its_conds_it_reads_no_activation(layout):
+def test_outside_its_conds_it_reads_no_activation(layout, monkeypatch):
     """Where the step does not compute it, the telemetry costs the conds on a flag and scalar
     work on the per-tensor scales and the conds' outputs: every equation it adds outside its
     conds reads at most a layer summary; the scales themselves only go into the conds (and
@@ -322,7 +319,10 @@ def test_outside_its_conds_it_reads_no_activation(layout):
     ``reduce_precision``: identities, which compute nothing)."""
     cfg = config(*layout, "telemetry=true")
     on = sizes_outside_conds(step_jaxpr(build_program(cfg, cfg.model)).jaxpr)
-    state_only = build_program(cfg, cfg.model, observe_activations=False)
+    # The same step with the optimizer state's telemetry alone.
+    with monkeypatch.context() as patch:
+        patch.setattr(program_module, "activation_telemetry", lambda cfg: None)
+        state_only = build_program(cfg, cfg.model)
     added = on - sizes_outside_conds(step_jaxpr(state_only).jaxpr)
     # 4 linear inputs and 5 1xG tensors a layer, 2 layers, the final norm: 11 values at most.
     passed = ("cond", "stop_gradient", "reduce_precision")

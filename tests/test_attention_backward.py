@@ -310,7 +310,7 @@ def test_the_error_benchmark_measures_both_backwards():
 
 def test_the_trainer_key_reaches_the_model_and_needs_fp8_attention():
     from coat_jax.training.config import load_config
-    from coat_jax.training.loop import model_def_for
+    from coat_jax.training.model import model_def_for
 
     with pytest.raises(ValueError, match="set fp8_attention=true"):
         load_config(None, ["fp8_attention_backward=saved_output"])

@@ -50,6 +50,25 @@ def test_train_help_lists_every_key_and_print_config_resolves():
     assert printed["steps"] == 7 and printed["model"]["hidden_size"] == 96
 
 
+def test_removed_options_leave_the_help_and_are_refused_in_one_line():
+    help_text = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True
+    ).stdout
+    for removed in ("fp8_codes_barrier", "fp8_gemm_output", "interpret"):
+        assert removed not in help_text, removed
+    for override, replaced in [
+        ("fp8_codes_barrier=false", "always on"),
+        ("fp8_gemm_output=float32", "always write BF16"),
+        ("kernels=interpret", "use kernels=auto, xla or pallas"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "train.py", override], cwd=REPO, capture_output=True, text=True
+        )
+        assert proc.returncode == 2, (override, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and replaced in lines[0], lines
+
+
 def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
     """Scalars of TensorBoard event files, read with tensorboardX's protos (TFRecord framing)."""
     from tensorboardX.proto import event_pb2

@@ -17,13 +17,8 @@ from flax import nnx
 
 from coat_jax.fp8_ops import fp8_compiler_options, is_gpu_backend
 from coat_jax.training import load_config
-from coat_jax.training.loop import (
-    build_program,
-    codes_barrier,
-    compiler_options,
-    excess_precision,
-    next_token_loss,
-)
+from coat_jax.training.model import excess_precision, next_token_loss
+from coat_jax.training.program import build_program, compiler_options
 from tests.tiny_runs import tiny_run
 
 RUN = [*tiny_run(layers=1, batch_size=2), "compilation_cache_dir=null", "precision=coat"]
@@ -117,59 +112,18 @@ def test_a_wrong_value_names_the_option():
 
 
 # --------------------------------------------------------------------------------------------
-# fp8_codes_barrier: the barrier on the kept FP8 codes, off only without excess precision
+# The barrier on the kept FP8 codes: always on (the trainer key fp8_codes_barrier was removed)
 
 
-@pytest.mark.parametrize(
-    "extra, gpu",
-    [
-        ([], True),  # the default keeps the barrier everywhere
-        (["xla_excess_precision=false"], True),
-        (["fp8_codes_barrier=false", "xla_excess_precision=false"], False),
-        (["fp8_codes_barrier=false"], False),  # COAT on a GPU compiles without excess precision
-    ],
-)
-def test_codes_barrier_resolves(extra, gpu):
+@pytest.mark.parametrize("extra", [[], ["xla_excess_precision=false"]])
+def test_the_model_always_gets_the_codes_barrier(extra):
     cfg = load_config(None, [*RUN, *extra])
-    assert codes_barrier(cfg, "gpu") is gpu
-    if "xla_excess_precision=false" in extra or gpu:
-        assert codes_barrier(cfg, "cpu") is gpu
-
-
-def test_codes_barrier_off_under_excess_precision_is_refused():
-    with pytest.raises(ValueError, match="fp8_codes_barrier=false with xla_excess_precision"):
-        load_config(None, [*RUN, "fp8_codes_barrier=false", "xla_excess_precision=true"])
-    cfg = load_config(None, [*RUN, "fp8_codes_barrier=false"])  # XLA's default on the CPU
-    with pytest.raises(ValueError, match="xla_excess_precision=false, or fp8_codes_barrier"):
-        codes_barrier(cfg, "cpu")
-    with pytest.raises(ValueError, match="precision=bf16 keeps none"):
-        load_config(None, [*RUN, "precision=bf16", "optimizer=adamw", "fp8_codes_barrier=false"])
+    program = build_program(cfg, cfg.model)
+    model = nnx.merge(program.model_def.graphdef, program.model_def.abstract_state)
+    assert model.fp8_config.codes_barrier is True
 
 
 @pytest.mark.parametrize("value", ["true", "false"])
-def test_the_model_gets_the_codes_barrier(value):
-    cfg = load_config(None, [*RUN, "xla_excess_precision=false", f"fp8_codes_barrier={value}"])
-    program = build_program(cfg, cfg.model)
-    model = nnx.merge(program.model_def.graphdef, program.model_def.abstract_state)
-    assert model.fp8_config.codes_barrier is (value == "true")
-
-
-def test_a_scanned_step_without_the_codes_barrier_is_the_barriers():
-    """The trainer's scanned COAT step (kept activations stacked across layers) compiled without
-    excess precision: one step without the codes barrier leaves the same parameters and loss
-    as with it."""
-    scanned = [*tiny_run(layers=2, batch_size=2), "compilation_cache_dir=null", "precision=coat"]
-    scanned += ["scan_layers=true", "remat=activations", "xla_excess_precision=false"]
-    out = {}
-    for value in ("true", "false"):
-        cfg = load_config(None, [*scanned, f"fp8_codes_barrier={value}"])
-        program = build_program(cfg, cfg.model)
-        params = program.init_params(jax.random.key(0))
-        opt_state = program.init_opt_state(params)
-        shape = program.abstract_batch().shape
-        batch = jax.random.randint(jax.random.key(1), shape, 0, cfg.model.vocab_size)
-        params, _, metrics = program.step_fn(params, opt_state, batch)
-        out[value] = (jax.device_get(params), float(metrics["loss"]))
-    assert out["true"][1] == pytest.approx(out["false"][1], rel=1e-6)
-    for a, b in zip(jax.tree.leaves(out["true"][0]), jax.tree.leaves(out["false"][0]), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+def test_fp8_codes_barrier_is_refused_as_removed(value):
+    with pytest.raises(ValueError, match="fp8_codes_barrier was removed: .* always on"):
+        load_config(None, [*RUN, "xla_excess_precision=false", f"fp8_codes_barrier={value}"])

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from coat_jax.convert import byte_tokenizer_hf
 from coat_jax.convert import main as convert_main
+from coat_jax.runs import CheckpointError, load_run_model, read_params, read_run
 from coat_jax.tokenizer import ByteTokenizer
 from coat_jax.training import load_config, train
-from coat_jax.training.checkpoint import CheckpointError, read_params
-from coat_jax.training.export import byte_tokenizer_hf, load_run_model, read_run
 from tests.test_train import REPO, TINY, cache_overrides
 
 TEXT = "It is a truth universally acknowledged, that a single man — «déjà vu» ✓ <|eos|>"

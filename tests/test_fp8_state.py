@@ -655,8 +655,8 @@ def _llama_like():
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "adafactor", "muon"])
 def test_make_optimizer_every_optimizer_with_and_without_fp8(name):
-    from coat_jax.training.loop import make_schedule
     from coat_jax.training.optimizers import make_optimizer
+    from coat_jax.training.program import make_schedule
 
     params = _llama_like()
     g = _grads(jax.random.key(3), params, 0.01)
@@ -675,9 +675,9 @@ def test_make_optimizer_every_optimizer_with_and_without_fp8(name):
 
 
 def test_make_optimizer_reproduces_the_trainers_adamw_and_coat_adamw():
-    from coat_jax.training import loop
-    from coat_jax.training.loop import make_schedule
+    from coat_jax.training import optimizers
     from coat_jax.training.optimizers import make_optimizer, weight_decay_mask
+    from coat_jax.training.program import make_schedule
 
     params = _llama_like()
     decays = weight_decay_mask(params, False)
@@ -688,7 +688,7 @@ def test_make_optimizer_reproduces_the_trainers_adamw_and_coat_adamw():
         cfg = _cfg(optimizer=name)
         ours, theirs = (
             make_optimizer(cfg, make_schedule(cfg)),
-            loop.make_optimizer(cfg, make_schedule(cfg)),
+            optimizers.make_optimizer(cfg, make_schedule(cfg)),
         )
         p1, s1 = _run(ours, params=params)
         p2, s2 = _run(theirs, params=params)

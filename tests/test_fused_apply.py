@@ -15,8 +15,8 @@ import pytest
 
 import coat_jax
 from coat_jax import optim
-from coat_jax.training.loop import make_schedule
 from coat_jax.training.optimizers import make_optimizer, skip_nonfinite
+from coat_jax.training.program import make_schedule
 from tests.jaxprs import equations, pallas_calls
 
 PARAMS_SHAPES = {"w": (8, 256), "v": (3, 200), "b": (3,), "s": ()}

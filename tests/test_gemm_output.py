@@ -1,12 +1,16 @@
-"""What the FP8 GEMMs write: ``FP8Config(gemm_output=...)``, trainer ``fp8_gemm_output``.
+"""What the FP8 GEMMs write: ``FP8Config(gemm_output=...)``; the trainer always takes ``compute``.
 
 With ``compute`` (the default) the GEMMs whose result is an activation (forward's, and dgrad's
 of one weight) are BF16 dots of scaled FP8 codes, which cuBLASLt writes in BF16 itself; with
 ``float32`` every GEMM writes float32 and the cast is a separate pass. The per-op spelling is
-checked in tests/test_fp8_ops.py (and compiled on the GPU there); here the trainer's own step.
+checked in tests/test_fp8_ops.py (and compiled on the GPU there); here the trainer's own model,
+with its ``FP8Config`` replaced for ``float32`` (the trainer key ``fp8_gemm_output`` was
+removed).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +18,8 @@ import numpy as np
 import pytest
 
 from coat_jax.training import load_config
-from coat_jax.training.loop import build_program, next_token_loss
+from coat_jax.training.model import loss_from_hidden
+from coat_jax.training.program import build_program
 from tests.test_fp8_ops import _dot_operand_sources
 from tests.tiny_runs import tiny_run
 
@@ -31,13 +36,19 @@ RUN = [
 
 def _dots(gemm_output: str, precision: str = "coat"):
     """The dots of the trainer's loss and gradient for one setting, and the loss value."""
-    cfg = load_config(None, [*RUN, f"precision={precision}", f"fp8_gemm_output={gemm_output}"])
+    cfg = load_config(None, [*RUN, f"precision={precision}"])
     program = build_program(cfg, cfg.model)
     model = program.model_def.bind(program.abstract_params)
-    assert model.fp8_config.gemm_output == gemm_output  # the option reaches the FP8 ops
+    assert model.fp8_config.gemm_output == "compute"  # the trainer's setting
     params = program.init_params(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len + 1), 0, cfg.model.vocab_size)
-    loss = lambda p: next_token_loss(program.model_def, p, tokens)
+
+    def loss(p):
+        model = program.model_def.bind(p)
+        model.fp8_config = dataclasses.replace(model.fp8_config, gemm_output=gemm_output)
+        hidden_BTD = model.hidden_states(tokens[:, :-1])
+        return loss_from_hidden(program.model_def, model, hidden_BTD, tokens[:, 1:])
+
     return _dot_operand_sources(jax.make_jaxpr(jax.value_and_grad(loss))(params)), loss(params)
 
 
@@ -58,11 +69,10 @@ def test_trainer_gemm_output(precision):
     assert np.isfinite(float(loss_c))
 
 
-def test_trainer_gemm_output_needs_fp8_gemms():
-    with pytest.raises(ValueError, match="fp8_gemm_output=float32 changes the FP8 GEMMs"):
-        load_config(None, [*RUN, "precision=bf16", "optimizer=adamw", "fp8_gemm_output=float32"])
-    with pytest.raises(ValueError, match="fp8_gemm_output"):
-        load_config(None, [*RUN, "fp8_gemm_output=bf16"])
+def test_trainer_gemm_output_is_refused_as_removed():
+    for value in ("float32", "compute", "bf16"):
+        with pytest.raises(ValueError, match="fp8_gemm_output was removed"):
+            load_config(None, [*RUN, f"fp8_gemm_output={value}"])
 
 
 @pytest.mark.gpu

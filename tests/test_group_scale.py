@@ -18,7 +18,9 @@ from coat_jax import quant
 from coat_jax.fp8_ops import FP8Config, ops_for
 from coat_jax.memory import residuals
 from coat_jax.training import load_config
-from coat_jax.training.loop import build_program, next_token_loss, train
+from coat_jax.training.loop import train
+from coat_jax.training.model import next_token_loss
+from coat_jax.training.program import build_program
 from tests.tiny_runs import tiny_run
 
 

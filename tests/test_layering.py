@@ -1,8 +1,10 @@
 """The import order runs one way (docs/design.md, 'Layers'): kernels, then library, then trainer.
 
 ``pallas_kernels`` (codecs and kernels) imports nothing of ``coat_jax``; outside
-``coat_jax/training`` no module of ``coat_jax`` imports the trainer; ``coat_jax`` imports its
-public names eagerly, so each entry point works in a fresh interpreter.
+``coat_jax/training`` no module of ``coat_jax`` imports the trainer; no import cycle runs
+through ``coat_jax``, counting the imports inside functions as much as those at module level
+(so no import sits in a function to dodge a cycle); ``coat_jax`` imports its public names
+eagerly, so each entry point works in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -17,14 +19,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# The one upward import left: the command lines ``python -m coat_jax.convert`` and ``python -m
-# coat_jax.generate`` also read train.py run directories, through the trainer's export module,
-# imported inside the functions that need it. Each pair must still exist (the list only shrinks).
-COMMAND_LINE_IMPORTS = {
-    ("coat_jax.convert", "coat_jax.training.export"),
-    ("coat_jax.generate", "coat_jax.training.export"),
-}
 
 
 def _module_name(path: Path) -> str:
@@ -116,28 +110,148 @@ def test_pallas_kernels_imports_nothing_of_coat_jax():
 
 def test_only_the_trainer_imports_the_trainer():
     training = ROOT / "coat_jax" / "training"
-    bad, seen = [], set()
-    for path in _library_files("coat_jax"):
-        if training in path.parents:
-            continue
-        module = _module_name(path)
-        for name, at_top in _imports_of(path):
-            if not _is_within(name, "coat_jax.training"):
-                continue
-            allowed = [
-                pair
-                for pair in COMMAND_LINE_IMPORTS
-                if pair[0] == module and _is_within(name, pair[1])
-            ]
-            if allowed and not at_top:
-                seen.update(allowed)
-                continue
-            where = "at module level" if at_top else "inside a function"
-            bad.append(f"{path.relative_to(ROOT)}: {name} ({where})")
+    bad = [
+        f"{path.relative_to(ROOT)}: {name} ({'at module level' if at_top else 'inside a function'})"
+        for path in _library_files("coat_jax")
+        if training not in path.parents
+        for name, at_top in _imports_of(path)
+        if _is_within(name, "coat_jax.training")
+    ]
     assert not bad, "the model and optimizer layers must not import the trainer:\n" + "\n".join(bad)
-    assert seen == COMMAND_LINE_IMPORTS, (
-        f"no longer imported, remove from COMMAND_LINE_IMPORTS: {COMMAND_LINE_IMPORTS - seen}"
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, bool]]:
+    """``{module: {imported module: at module level}}`` over the modules of ``sources``.
+
+    ``sources`` maps a module's name to ``(its source, whether it is a package's __init__)``.
+    Only imports of modules in ``sources`` are edges; ``from a import b`` is an edge to ``a.b``
+    where that is a module. A module's own packages are no edge: Python imports them before
+    the module whatever it says. An import both at module level and in a function counts as
+    at module level.
+    """
+    graph: dict[str, dict[str, bool]] = {}
+    for module, (source, is_package) in sources.items():
+        edges = graph.setdefault(module, {})
+        ancestors = {module.rsplit(".", n)[0] for n in range(1, module.count(".") + 1)}
+        for name, at_top in imported_modules(source, module, is_package=is_package):
+            if name in sources and name != module and name not in ancestors:
+                edges[name] = edges.get(name, False) or at_top
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each as one cycle
+    through it: ``[a, b, ..., a]``."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(_cycle_through(graph, component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def _cycle_through(graph, component: set[str]) -> list[str]:
+    """One cycle inside ``component`` (a strongly connected set), from its first module."""
+    start = min(component)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v]):
+            if w == start:
+                return paths[v] + [start]
+            if w in component and w not in paths:
+                paths[w] = paths[v] + [w]
+                queue.append(w)
+    raise AssertionError(f"{sorted(component)} is not strongly connected")
+
+
+def _describe(graph, cycle: list[str]) -> str:
+    hops = [
+        f"{a} -> {b}{'' if graph[a][b] else ' (inside a function)'}"
+        for a, b in zip(cycle, cycle[1:], strict=False)
+    ]
+    return "; ".join(hops)
+
+
+def _library_graph() -> dict[str, dict[str, bool]]:
+    files = _library_files("coat_jax") + _library_files("pallas_kernels")
+    return import_graph({_module_name(p): (p.read_text(), p.name == "__init__.py") for p in files})
+
+
+def test_the_cycle_check_counts_imports_inside_functions():
+    sources = {
+        "pkg": ("", True),
+        "pkg.a": ("from pkg import b\n", False),
+        "pkg.b": ("def f():\n    from pkg.c import g\n", False),
+        "pkg.c": ("import pkg.a\nfrom pkg import d\n", False),
+        "pkg.d": ("from . import e\n", False),
+        "pkg.e": ("import numpy\nfrom pkg import x\n", False),
+    }
+    graph = import_graph(sources)
+    assert graph["pkg.b"] == {"pkg.c": False}
+    assert graph["pkg.d"] == {"pkg.e": True}
+    assert "pkg" not in graph["pkg.a"]  # a module's own package is no edge
+    (cycle,) = import_cycles(graph)
+    assert cycle == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    assert "pkg.b -> pkg.c (inside a function)" in _describe(graph, cycle)
+    del sources["pkg.b"]
+    assert import_cycles(import_graph(sources)) == []
+
+
+def test_no_import_cycle_in_the_library():
+    graph = _library_graph()
+    cycles = [_describe(graph, c) for c in import_cycles(graph)]
+    assert not cycles, (
+        "import cycles (an import inside a function counts too; move what both sides need into "
+        "a module below them):\n" + "\n".join(cycles)
     )
+
+
+def test_no_import_inside_a_function_dodges_a_cycle():
+    """An import in a function whose module, imported at module level, would import the
+    importer back: the cycle is there, only deferred to the call."""
+    graph = _library_graph()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            v = todo.pop()
+            if v == goal:
+                return True
+            if v not in seen:
+                seen.add(v)
+                todo += list(graph.get(v, {}))
+        return False
+
+    dodges = [
+        f"{module} imports {name} inside a function, and {name} imports {module} back"
+        for module, edges in sorted(graph.items())
+        for name, at_top in sorted(edges.items())
+        if not at_top and reaches(name, module)
+    ]
+    assert not dodges, "\n".join(dodges)
 
 
 def test_coat_jax_quant_reexports_every_codec():

@@ -7,6 +7,7 @@ cannot do with a message that names the fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -17,9 +18,9 @@ import pytest
 
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.layerwise import LayerwiseState
-from coat_jax.training.loop import build_program
+from coat_jax.training.program import build_program
 from tests.fake_devices import run_on_fake_devices
-from tests.tiny_runs import tiny_run
+from tests.tiny_runs import pallas_interpret, tiny_run
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "configs" / "default.yaml"
@@ -159,11 +160,13 @@ WHOLE_GROUPS = [
 def test_pallas_kernels_in_the_backward_scan(shape):
     """The fused coat_adamw kernel and the FP8 kernels (Pallas interpret) inside the scan: on
     slices of the stacks (short groups) or inside them (whole groups)."""
-    extra = ["kernels=interpret", "model.num_hidden_layers=1", "batch_size=2", *shape]
+    extra = ["kernels=auto", "model.num_hidden_layers=1", "batch_size=2", *shape]
     if shape:
         extra += ["model.num_hidden_layers=2", "seq_len=16"]
-    plain = run_steps(program(*extra), steps=2)
-    layerwise = run_steps(program(*extra, "optimizer_in_backward=true"), steps=2)
+    with pallas_interpret():
+        plain, layerwise = program(*extra), program(*extra, "optimizer_in_backward=true")
+    plain = run_steps(plain, steps=2)
+    layerwise = run_steps(layerwise, steps=2)
     assert_same_training(layerwise, plain)
 
 
@@ -257,10 +260,13 @@ def test_the_kernel_steps_each_layer_inside_the_stacks(kernels):
     backward scan; the unfused step slices and writes back (so the check can fail). The XLA
     reference path slices inside its apply (XLA fuses those into in-place updates)."""
     # E5M2 moments: the stacked weight codes the backward reads by index are E4M3.
-    extra = [*WHOLE_GROUPS, f"kernels={kernels}", "optimizer_in_backward=true"]
-    extra += ["mu_format=e5m2", "nu_format=e5m2"]
-    in_place = _slices_of_fp8_stacks(program(*extra))
-    unfused = _slices_of_fp8_stacks(program(*extra, "fused_apply=false"))
+    extra = [*WHOLE_GROUPS, "optimizer_in_backward=true", "mu_format=e5m2", "nu_format=e5m2"]
+    extra += ["kernels=auto"] if kernels == "interpret" else ["kernels=xla"]
+    mode = pallas_interpret() if kernels == "interpret" else contextlib.nullcontext()
+    with mode:
+        fused, unfused = program(*extra), program(*extra, "fused_apply=false")
+    in_place = _slices_of_fp8_stacks(fused)
+    unfused = _slices_of_fp8_stacks(unfused)
     assert unfused
     if kernels == "interpret":
         assert in_place == [], in_place
@@ -346,7 +352,7 @@ EIGHT_DEVICES = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from coat_jax.training import load_config
-from coat_jax.training.loop import build_program
+from coat_jax.training.program import build_program
 from coat_jax.training.sharding import make_mesh
 
 args = json.loads(ARGS)
@@ -374,20 +380,21 @@ print("REPORT" + json.dumps(out))
 
 
 @pytest.mark.parametrize(
-    "extra",
+    "extra, interpret",
     [
-        [],
-        ["kernels=interpret", "model.num_hidden_layers=1"],
+        ([], False),
+        (["kernels=auto", "model.num_hidden_layers=1"], True),
         # The kernel steps each layer inside the stacks, per shard.
-        ["kernels=interpret", *WHOLE_GROUPS, "seq_len=16", "mu_format=e5m2"],
+        (["kernels=auto", *WHOLE_GROUPS, "seq_len=16", "mu_format=e5m2"], True),
     ],
     ids=["xla", "pallas-per-shard", "pallas-in-place-per-shard"],
 )
-def test_eight_devices_match_the_plain_step(extra):
+def test_eight_devices_match_the_plain_step(extra, interpret):
     """On a (data 2, fsdp 4) mesh; with the Pallas kernels (interpret mode) each runs per shard
     under shard_map, coat_adamw's with one layer's partition specs."""
     args = {"config": str(DEFAULT), "overrides": [*BASE, "compute_dtype=float32", *extra]}
-    stdout = run_on_fake_devices(f"ARGS = {json.dumps(args)!r}\n" + EIGHT_DEVICES, timeout=600)
+    with pallas_interpret() if interpret else contextlib.nullcontext():
+        stdout = run_on_fake_devices(f"ARGS = {json.dumps(args)!r}\n" + EIGHT_DEVICES, timeout=600)
     report = json.loads(stdout.split("REPORT", 1)[1])
     plain, layerwise = report["plain"], report["layerwise"]
     np.testing.assert_allclose(layerwise["losses"], plain["losses"], rtol=1e-5)

@@ -26,8 +26,8 @@ import jax
 import numpy as np
 import pytest
 
+from coat_jax.runs import read_params
 from coat_jax.training import distributed
-from coat_jax.training.checkpoint import read_params
 from tests.tiny_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import pytest
 from coat_jax import fp8_ops
 from coat_jax.fp8_ops import FP8Config, ops_for
 from coat_jax.training import load_config
-from coat_jax.training.config import parse_op_kernels
+from coat_jax.training.op_kernels import parse_op_kernels
 
 INTERPRET = jax.default_backend() != "gpu"
 # The Pallas kernel names each op's forward and backward launch.
@@ -132,7 +132,7 @@ def test_implementation_of_names_the_op_or_refuses():
 
 def test_trainer_key_parses_checks_and_reaches_the_model():
     from coat_jax.llama import LlamaConfig
-    from coat_jax.training.loop import model_def_for
+    from coat_jax.training.model import model_def_for
 
     assert parse_op_kernels(None) == ()
     assert parse_op_kernels(" quantize_per_tensor = pallas ; swiglu=xla") == (

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from coat_jax.training import loop
+from coat_jax.training import progress as progress_module
 
 STEP_S = 1.5  # device time per step
 WRITE_S = 1.2  # host time to write one record (a step in flight runs meanwhile)
@@ -41,7 +41,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = _Clock()
-    monkeypatch.setattr(loop.time, "perf_counter", c)
+    monkeypatch.setattr(progress_module.time, "perf_counter", c)
     real_get = jax.device_get
 
     def device_get(x):
@@ -72,7 +72,9 @@ def _progress(clock, steps, log_every):
     )
     bar = types.SimpleNamespace(update=lambda n: None, set_postfix_str=lambda s: None)
     log = _Log(clock)
-    progress = loop._Progress(cfg, lambda step: 1e-3, log, bar, lambda msg: None, None, steps, 0, 0)
+    progress = progress_module.Progress(
+        cfg, lambda step: 1e-3, log, bar, lambda msg: None, None, steps, 0, 0
+    )
     return progress, log
 
 
@@ -141,5 +143,5 @@ def test_host_schedule_value_runs_on_the_cpu(monkeypatch):
         calls.append(placed[-1] if placed else None)
         return 0.5 * step
 
-    assert loop.host_schedule_value(schedule, 3) == 1.5
+    assert progress_module.host_schedule_value(schedule, 3) == 1.5
     assert calls == [jax.local_devices(backend="cpu")[0]]

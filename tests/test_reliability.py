@@ -26,12 +26,13 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from coat_jax.runs import read_params
 from coat_jax.training import Checkpointer, load_config, train
 from coat_jax.training import checkpoint as checkpoint_mod
-from coat_jax.training.checkpoint import CheckpointSaveError, _fmt_bytes, read_params, state_bytes
+from coat_jax.training.checkpoint import CheckpointSaveError, _fmt_bytes, state_bytes
 from coat_jax.training.errors import DivergedError
-from coat_jax.training.loop import make_schedule
 from coat_jax.training.optimizers import skip_nonfinite
+from coat_jax.training.program import make_schedule
 from tests.tiny_runs import tiny_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,7 +335,7 @@ def test_a_size_limited_disk_is_an_error_and_older_checkpoints_survive(
     # training goes on) and neither does the last one at 8 (the error that ends the run).
     out = tmp_path / "run"
     cfg = mini(out, caches, LONG, "checkpoint_every=2", "keep_checkpoints=5")
-    from coat_jax.training.loop import build_program
+    from coat_jax.training.program import build_program
 
     program = build_program(cfg, cfg.model)
     need = state_bytes({"params": program.abstract_params, "opt_state": program.abstract_opt_state})

@@ -229,7 +229,7 @@ def test_hf_round_trip_of_a_scanned_model(tmp_path, load_scanned):
 
 def test_init_takes_the_key_as_an_argument_and_lowers_without_weight_constants():
     from coat_jax.training import load_config
-    from coat_jax.training.loop import init_params_fn
+    from coat_jax.training.model import init_params_fn
     from coat_jax.training.sharding import make_mesh, param_shardings
 
     # Llama-2-7B, abstractly: 6.7B parameters that must never become constants.
@@ -246,7 +246,7 @@ def test_init_takes_the_key_as_an_argument_and_lowers_without_weight_constants()
             "scan_layers=true",
         ],
     )
-    from coat_jax.training.loop import model_def_for
+    from coat_jax.training.model import model_def_for
 
     abstract = model_def_for(cfg.model, cfg).abstract_params
     assert sum(x.size for x in jax.tree.leaves(abstract)) > 6.7e9
@@ -339,7 +339,7 @@ def test_unrolled_layers_keep_each_layers_codes():
 
 def test_trainer_key_sets_the_weight_residual():
     from coat_jax.training import load_config
-    from coat_jax.training.loop import model_def_for
+    from coat_jax.training.model import model_def_for
 
     for option in WEIGHT_RESIDUALS:
         cfg = load_config(None, [f"fp8_weight_residual={option}", "precision=coat"])

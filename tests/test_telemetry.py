@@ -17,16 +17,17 @@ from jax.extend.core import jaxprs_in_params
 
 from coat_jax import coat_adamw, fp8_state, quant
 from coat_jax.optim import dequantized_moments
-from coat_jax.training import load_config, loop, train
+from coat_jax.training import load_config, program, train
 from coat_jax.training.optimizers import make_optimizer
+from coat_jax.training.step import with_rounding_count
 from coat_jax.training.telemetry import (
     COMPUTED,
-    SamplePlan,
     StateTelemetry,
     logged_metrics,
     state_telemetry,
     tensor_names,
 )
+from coat_jax.training.telemetry_sample import SamplePlan
 from tests.fake_devices import run_on_fake_devices
 from tests.test_cli import _scalars
 from tests.test_train import tiny, tree_bytes
@@ -434,9 +435,9 @@ def test_every_trainer_optimizer_tells_the_step():
         ("adamw", ["master_dtype=bfloat16"]),
     ]:
         cfg = load_config(None, [f"optimizer={optimizer}", "telemetry=true", *extra])
-        tx = make_optimizer(cfg, loop.make_schedule(cfg))
-        tx = tx if cfg.master_dtype == "float32" else loop.with_rounding_count(tx)
-        telemetry = state_telemetry(cfg, loop.make_schedule(cfg))
+        tx = make_optimizer(cfg, program.make_schedule(cfg))
+        tx = tx if cfg.master_dtype == "float32" else with_rounding_count(tx)
+        telemetry = state_telemetry(cfg, program.make_schedule(cfg))
         assert telemetry.every == cfg.log_every > 1
         state = tx.init(params)
         shapes = [
@@ -478,10 +479,10 @@ def trainer_runs(tmp_path_factory, cache_dir):
         return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
 
     train(tiny(root / "off", cache_dir, *flags, "telemetry=false"))
-    own = loop.state_telemetry
+    own = program.state_telemetry
     every_step = lambda cfg, schedule: dataclasses.replace(own(cfg, schedule), every=1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "state_telemetry", every_step)
+        patch.setattr(program, "state_telemetry", every_step)
         train(tiny(root / "every", cache_dir, *flags, "telemetry=true"))
     split = [*flags, "telemetry=true", "tensorboard=true"]
     train(tiny(root / "split", cache_dir, *split), stop_at=STOP)

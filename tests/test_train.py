@@ -145,7 +145,6 @@ def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
         (["fp8_kernels=auto"], "auto", "auto"),
         (["kernels=pallas"], "pallas", "pallas"),
         (["kernels=xla"], "xla", "xla"),
-        (["kernels=interpret"], "auto", "auto"),  # interpret keeps every Pallas kernel
         (["kernels=pallas", "fp8_kernels=xla"], "xla", "pallas"),
     ],
 )
@@ -153,15 +152,51 @@ def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
     """Unset, ``fp8_kernels`` sends the FP8 activation ops of the default config (a narrow
     model, few tokens) to XLA's fusions under ``kernels: auto`` and follows ``kernels`` otherwise;
     the optimizer's kernels follow ``kernels`` alone. The model the trainer builds carries it."""
-    from coat_jax.training import loop
+    from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import kernel_options
 
     cfg = load_config(REPO / "configs" / "default.yaml", ["precision=coat", *overrides])
     assert kernel_options(cfg, fp8_ops=True)["implementation"] == fp8_ops
     assert kernel_options(cfg)["implementation"] == optimizer
-    model_def = loop.model_def_for(cfg.model, cfg)
+    model_def = model_def_for(cfg.model, cfg)
     model = model_def.bind(model_def.abstract_params)
     assert model.fp8_config.implementation == fp8_ops
+
+
+def test_the_interpret_switch_keeps_every_pallas_kernel(monkeypatch):
+    """The test-only switch (``PALLAS_INTERPRET_ENV``, formerly ``kernels=interpret``): every
+    kernel, the FP8 ops' too, is Pallas's in interpret mode; it needs ``kernels: auto``."""
+    from coat_jax.training.model import model_def_for
+    from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV, kernel_options
+
+    cfg = load_config(REPO / "configs" / "default.yaml", ["precision=coat"])
+    assert kernel_options(cfg, fp8_ops=True) == {"implementation": "xla", "interpret": False}
+    monkeypatch.setenv(PALLAS_INTERPRET_ENV, "1")
+    assert kernel_options(cfg, fp8_ops=True) == {"implementation": "auto", "interpret": True}
+    assert kernel_options(cfg) == {"implementation": "auto", "interpret": True}
+    model_def = model_def_for(cfg.model, cfg)
+    model = model_def.bind(model_def.abstract_params)
+    assert model.fp8_config.implementation == "auto" and model.fp8_config.interpret
+    with pytest.raises(ValueError, match="set kernels=auto or unset COAT_JAX_PALLAS_INTERPRET"):
+        kernel_options(dataclasses.replace(cfg, kernels="xla"))
+    monkeypatch.setenv(PALLAS_INTERPRET_ENV, "yes")
+    with pytest.raises(ValueError, match="COAT_JAX_PALLAS_INTERPRET='yes' is not valid"):
+        kernel_options(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("kernels=interpret", "kernels=interpret was removed: .* use kernels=auto, xla or pallas"),
+        ("fp8_codes_barrier=false", "fp8_codes_barrier was removed: .* always on"),
+        ("fp8_codes_barrier=true", "fp8_codes_barrier was removed"),
+        ("fp8_gemm_output=float32", "fp8_gemm_output was removed: .*docs/bench_gemm_output.md"),
+        ("fp8_gemm_output=compute", "fp8_gemm_output was removed"),
+    ],
+)
+def test_a_removed_option_says_what_replaced_it(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(REPO / "configs" / "default.yaml", [override])
 
 
 def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
@@ -169,7 +204,7 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
     at least FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS tokens per device,
     XLA's fusions otherwise; devices sharing the batch divide the tokens; a set
     ``fp8_kernels`` or another ``kernels`` wins."""
-    from coat_jax.training import loop
+    from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import (
         FP8_PALLAS_MIN_HIDDEN,
         FP8_PALLAS_MIN_TOKENS,
@@ -202,14 +237,14 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
         kernel_options(dataclasses.replace(big, kernels="xla"), fp8_ops=True)["implementation"]
         == "xla"
     )
-    model_def = loop.model_def_for(big.model, big)
+    model_def = model_def_for(big.model, big)
     assert model_def.bind(model_def.abstract_params).fp8_config.implementation == "auto"
     # The width is the built model's (init_from takes it from a checkpoint, not cfg.model).
     assert fp8_ops_auto(narrow, hidden_size=FP8_PALLAS_MIN_HIDDEN) == "auto"
     assert fp8_ops_auto(big, hidden_size=FP8_PALLAS_MIN_HIDDEN // 2) == "xla"
-    model_def = loop.model_def_for(big.model, narrow)
+    model_def = model_def_for(big.model, narrow)
     assert model_def.bind(model_def.abstract_params).fp8_config.implementation == "auto"
-    model_def = loop.model_def_for(narrow.model, big)
+    model_def = model_def_for(narrow.model, big)
     assert model_def.bind(model_def.abstract_params).fp8_config.implementation == "xla"
     with pytest.raises(ValueError, match="devices must be at least 1"):
         fp8_ops_auto(big, devices=0)
@@ -261,7 +296,7 @@ def test_tiny_coat_run_learns_and_writes_its_outputs(tmp_path, cache_dir):
 
 
 def test_weight_decay_skips_norms_and_embeddings(tmp_path, cache_dir):
-    from coat_jax.training.loop import weight_decay_mask
+    from coat_jax.training.optimizers import weight_decay_mask
 
     cfg = tiny(tmp_path, cache_dir)
     params = {
@@ -283,7 +318,7 @@ def test_weight_decay_skips_norms_and_embeddings(tmp_path, cache_dir):
 
 
 def test_schedule_warms_up_then_decays_to_the_floor(tmp_path, cache_dir):
-    from coat_jax.training.loop import make_schedule
+    from coat_jax.training.program import make_schedule
 
     cfg = tiny(tmp_path, cache_dir, "steps=100", "warmup_steps=10", "min_lr_ratio=0.1")
     lr = [float(make_schedule(cfg)(c)) for c in range(100)]
@@ -328,7 +363,7 @@ def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_
     fail to compile here too); on the CPU, deterministic anyway, the run is the same bit for bit.
     On a GPU the option may choose other kernels, so the numbers are compared on the CPU only
     (this test failed on the H200 when it compared them there)."""
-    from coat_jax.training.loop import compiler_options
+    from coat_jax.training.program import compiler_options
 
     assert "xla_gpu_deterministic_ops" not in (compiler_options(tiny(tmp_path, cache_dir)) or {})
     cfg = tiny(tmp_path / "det", cache_dir, "steps=6", "deterministic=true")
@@ -343,11 +378,11 @@ def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_
 
 def test_the_step_and_the_evaluation_compile_with_compiler_options(monkeypatch, tmp_path):
     """Both jits take ``compiler_options(cfg)``: an option XLA does not know must reach them."""
-    from coat_jax.training import loop
+    from coat_jax.training import program
 
-    monkeypatch.setattr(loop, "compiler_options", lambda cfg: {"xla_no_such_option": True})
+    monkeypatch.setattr(program, "compiler_options", lambda cfg: {"xla_no_such_option": True})
     cfg = tiny(tmp_path, str(tmp_path))
-    prog = loop.build_program(cfg, cfg.model)
+    prog = program.build_program(cfg, cfg.model)
     params, state = prog.abstract_params, prog.abstract_opt_state
     with pytest.raises(Exception, match="No such compile option"):
         prog.step_fn.lower(params, state, prog.abstract_batch()).compile()
@@ -360,12 +395,12 @@ def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch
     """The first step failing under ``deterministic=true`` (as BF16 steps did on the H200, an
     ``IndexError`` from absl while compiling) ends as a ``ValueError`` that names the option and
     the fix; without the option the error is left as it is."""
-    from coat_jax.training import loop
+    from coat_jax.training import run
 
     def fails(*_):
         raise IndexError("absl::container_internal::raw_hash_map<>::at")
 
-    monkeypatch.setattr(loop, "_first_step", fails)
+    monkeypatch.setattr(run, "first_step", fails)
     with pytest.raises(ValueError, match="deterministic=true.*Set deterministic=false"):
         train(tiny(tmp_path / "det", str(tmp_path), "steps=4", "deterministic=true"))
     with pytest.raises(IndexError):
@@ -377,7 +412,7 @@ def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
     """A step with ``deterministic=true`` asks for XLA's attention, not cuDNN's (with XLA's
     deterministic ops BF16 steps did not compile on the H200, the float32 step did)."""
     from coat_jax import llama
-    from coat_jax.training import loop
+    from coat_jax.training import program
 
     asked = []
     real = llama.attention_implementation
@@ -393,20 +428,22 @@ def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
         cfg = tiny(
             tmp_path, str(tmp_path), f"precision={precision}", f"deterministic={det}", *extra
         )
-        prog = loop.build_program(cfg, cfg.model)
+        prog = program.build_program(cfg, cfg.model)
         prog.step_fn.trace(prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch())
         assert set(asked) == want, (det, asked)
 
 
 @pytest.mark.parametrize("fp8_kernels", [None, "xla"])
-def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path):
+def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path, monkeypatch):
     """``fp8_kernels=xla``: the FP8 activation ops run as XLA (no kernel of theirs in the step)
     while coat_adamw keeps its Pallas kernel; unset, both run Pallas (here in interpret mode)."""
-    from coat_jax.training import loop
+    from coat_jax.training import program
+    from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 
+    monkeypatch.setenv(PALLAS_INTERPRET_ENV, "1")
     extra = [] if fp8_kernels is None else [f"fp8_kernels={fp8_kernels}"]
-    cfg = tiny(tmp_path, str(tmp_path), "kernels=interpret", *extra)
-    prog = loop.build_program(cfg, cfg.model)
+    cfg = tiny(tmp_path, str(tmp_path), *extra)
+    prog = program.build_program(cfg, cfg.model)
     jaxpr = prog.step_fn.trace(
         prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch()
     ).jaxpr

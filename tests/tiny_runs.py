@@ -1,4 +1,26 @@
-"""The trainer overrides the tests' short runs share: a tiny Llama and quiet bookkeeping."""
+"""The trainer overrides the tests' short runs share: a tiny Llama and quiet bookkeeping; and the
+test-only switch that runs the trainer's kernels in Pallas interpret mode."""
+
+import contextlib
+import os
+
+from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
+
+
+@contextlib.contextmanager
+def pallas_interpret():
+    """Programs built inside the block run every trainer kernel in Pallas interpret mode
+    (``PALLAS_INTERPRET_ENV``; the kernels' mode is fixed when ``build_program`` runs), and so
+    do subprocesses started inside it."""
+    before = os.environ.get(PALLAS_INTERPRET_ENV)
+    os.environ[PALLAS_INTERPRET_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PALLAS_INTERPRET_ENV]
+        else:
+            os.environ[PALLAS_INTERPRET_ENV] = before
 
 
 def tiny_run(

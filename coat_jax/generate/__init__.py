@@ -36,9 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from coat_jax.checkpoint_io import from_pretrained
+from coat_jax.command_line import ErrorParser, one_line_error
 from coat_jax.fp8_ops import ops_for
 from coat_jax.llama import KVCache, Llama, LlamaConfig, rope_inv_freq, stack_layers
-from coat_jax.tokenizer import ByteTokenizer
+from coat_jax.runs import is_run_dir, load_run_model
+from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 # Prompt lengths are left-padded up to a multiple of this, so nearby lengths share a compile.
 PROMPT_BUCKET = 16
@@ -359,10 +362,6 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def load_for_generation(source: str, *, step: int | None = None, dtype="float32"):
     """(model, tokenizer) from a train.py run directory, an HF/coat-jax folder or a .gguf."""
-    from coat_jax.checkpoint_io import from_pretrained
-    from coat_jax.tokenizer import load_tokenizer
-    from coat_jax.training.export import is_run_dir, load_run_model
-
     if is_run_dir(source):
         return load_run_model(source, step=step, dtype=_DTYPES[dtype])
     if step is not None:
@@ -371,8 +370,6 @@ def load_for_generation(source: str, *, step: int | None = None, dtype="float32"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from coat_jax.convert import ErrorParser, one_line_error
-
     parser = ErrorParser(
         prog="python -m coat_jax.generate",
         description=__doc__.split("\n\n")[0],

@@ -2,7 +2,8 @@
 
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError
 from coat_jax.training.config import MeshConfig, TrainConfig, from_dict, load_config
-from coat_jax.training.loop import TrainResult, make_train_step, train
+from coat_jax.training.loop import TrainResult, train
+from coat_jax.training.step import make_train_step
 
 __all__ = [
     "CheckpointError",

@@ -26,13 +26,16 @@ never leaves a checkpoint that looks whole; such leftovers are removed when the 
 opens the directory. Restoring checks the fingerprint and the leaf shapes before reading any
 array, and the checksums after, and raises :class:`CheckpointError` naming what differs; a step
 that cannot be read is reported, never skipped in favour of an older one.
+
+What readers of a run share with this module lives below the trainer, in :mod:`coat_jax.runs`:
+the checksum of a leaf, :class:`~coat_jax.runs.CheckpointError`, and
+:func:`~coat_jax.runs.read_params` (one checkpoint's parameters, without an optimizer).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import threading
 from pathlib import Path
@@ -44,11 +47,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from coat_jax.quant import state_bytes  # a checkpoint's size before compression
+from coat_jax.runs import CheckpointError, by_keypath, checksum, leaf_checksums, quiet_orbax
 from coat_jax.training.errors import DivergedError
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or belongs to a different run set-up."""
 
 
 class CheckpointSaveError(CheckpointError):
@@ -59,51 +59,19 @@ class CheckpointSaveError(CheckpointError):
 _INCOMPLETE_MARK = ".orbax-checkpoint-tmp"
 
 
-_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
-def _checksum(x) -> jax.Array:
-    """Two position-weighted sums (mod 2**32) of the raw bits of ``x``.
-
-    Integer sums do not depend on reduction order, so the value is the same however the array
-    is sharded; the position weights catch swapped as well as altered values.
-    """
-    width = np.dtype(x.dtype).itemsize
-    if width not in _UINT_OF_WIDTH:
-        raise TypeError(f"cannot checksum dtype {x.dtype}")
-    words = jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[width]).astype(jnp.uint32).ravel()
-    weights = jax.lax.iota(jnp.uint32, words.size) % jnp.uint32(65521) + jnp.uint32(1)
-    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
-
-
 def _all_finite(x) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.array(True)
     return jnp.all(jnp.isfinite(x))
 
 
-# One program for the whole tree, not one per leaf: on sharded leaves each checksum ends in a
-# cross-device reduction, and hundreds of small collective programs in flight at once stalled
-# XLA:CPU on 8 fake devices (7 of 8 threads reached an all-reduce; FP8 optimizer states have
-# four leaves per moment, so they hit it first).
-_tree_checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
 # Before a save: the checksums and every leaf's finiteness, one program and one transfer.
 _save_summary = jax.jit(
     lambda tree: (
-        jax.tree.map(_checksum, tree),
+        jax.tree.map(checksum, tree),
         jnp.stack([_all_finite(x) for x in jax.tree.leaves(tree)]),
     )
 )
-
-
-def _by_keypath(sums) -> dict[str, list[int]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(sums)
-    return {jax.tree_util.keystr(path): [int(v) for v in leaf] for path, leaf in flat}
-
-
-def leaf_checksums(tree) -> dict[str, list[int]]:
-    """``{keypath: [sum, weighted sum]}`` of every leaf's bits, for detecting corrupt files."""
-    return _by_keypath(jax.device_get(_tree_checksums(tree)))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -120,25 +88,6 @@ def leaf_signature(tree) -> dict[str, list]:
         jax.tree_util.keystr(path): [list(leaf.shape), np.dtype(leaf.dtype).name]
         for path, leaf in flat
     }
-
-
-class _DropOrbaxTracebacks(logging.Filter):
-    """Drops the tracebacks Orbax's background threads log for a failed write.
-
-    :meth:`Checkpointer.wait` raises the same error with the step and what to do; a traceback
-    per Orbax thread before it would bury that line.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and "orbax" in record.pathname)
-
-
-def _quiet_orbax() -> None:
-    absl = logging.getLogger("absl")
-    # Orbax logs every save at INFO through absl; that would break the progress bar's line.
-    absl.setLevel(logging.WARNING)
-    if not any(isinstance(f, _DropOrbaxTracebacks) for f in absl.filters):
-        absl.addFilter(_DropOrbaxTracebacks())
 
 
 class Checkpointer:
@@ -167,7 +116,7 @@ class Checkpointer:
             if self.directory.is_dir()
             else []
         )
-        _quiet_orbax()
+        quiet_orbax()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -252,7 +201,7 @@ class Checkpointer:
             "seed": int(seed),
             "fingerprint": self.fingerprint,
             "leaves": leaf_signature(state),
-            "checksums": _by_keypath(sums),
+            "checksums": by_keypath(sums),
             "schedule_steps": schedule_steps,
             "skipped_steps": int(skipped_steps),
         }
@@ -434,10 +383,10 @@ class Checkpointer:
         """Allocates, in a background thread, the pinned host memory the first save will use.
 
         On a GPU Orbax copies the state to pinned host memory before it returns from a save.
-        The first allocation of that memory is slow and later ones reuse it: on an H200 the
-        first copy of Llama-2-7B's 41.69 GB COAT state took 52.21 s and the second 0.76 s
-        (``benchmarks/bench_checkpoint.py``, docs/reliability.md). Buffers shaped like this
-        process's shards of the state are made (zeros) and freed while training starts, so the first save blocks the loop about as briefly as the later ones.
+        The first allocation of that memory is slow and later ones reuse it (measured with
+        ``benchmarks/bench_checkpoint.py``: docs/reliability.md). Buffers shaped like this
+        process's shards of the state are made (zeros) and freed while training starts, so the
+        first save blocks the loop about as briefly as the later ones.
         Elsewhere (no ``pinned_host`` memory, or not a GPU: Orbax then copies without it)
         nothing is done and ``None`` is returned.
         """
@@ -480,93 +429,3 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
-
-
-# One key of a `jax.tree_util.keystr` path of a pure dict: ['name'] or [0].
-_KEYSTR_PART = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
-
-
-def _abstract_subtree(leaves: dict[str, list], top: str) -> dict:
-    """The pure-dict tree of ShapeDtypeStructs under ``[top]`` of a ``leaf_signature``."""
-    tree: dict = {}
-    for path, (shape, dtype) in leaves.items():
-        keys = [name if name else int(index) for name, index in _KEYSTR_PART.findall(path)]
-        if not keys or keys[0] != top:
-            continue
-        if "".join(repr([k]) for k in keys) != path:
-            raise CheckpointError(f"leaf {path} under [{top!r}] is not a pure-dict path")
-        node = tree
-        for key in keys[1:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
-    return tree
-
-
-def read_params(output_dir: str | Path, step: int | None = None) -> tuple[dict, dict[str, Any]]:
-    """The parameters of one checkpoint as numpy arrays, and its metadata; no optimizer needed.
-
-    Reads only the ``params`` half of the ``state`` item (Orbax partial restore), in the layout
-    it was saved in, and checks each array against its stored checksum.
-
-    Args:
-      output_dir: a training run's output directory (the one holding ``checkpoints/``).
-      step: which checkpoint; None means the newest.
-
-    Returns:
-      ``(params, meta)``: the pure-dict parameter tree and the metadata ``Checkpointer.save``
-      wrote (step, data position, seed, fingerprint, leaves, checksums).
-
-    Raises:
-      CheckpointError: no checkpoints, no such step, or a checkpoint that cannot be read.
-    """
-    directory = Path(output_dir).expanduser().resolve() / "checkpoints"
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"{str(directory)!r} does not exist; give the output_dir of a train.py run"
-        )
-    _quiet_orbax()
-    with ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(create=False)
-    ) as manager:
-        steps = sorted(manager.all_steps())
-        if not steps:
-            raise CheckpointError(f"there is no checkpoint in {str(directory)!r}")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointError(
-                f"there is no checkpoint step {step} in {str(directory)!r}; steps: {steps}"
-            )
-        where = f"checkpoint step {step} in {str(directory)!r}"
-        try:
-            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-                "meta"
-            ]
-        except Exception as e:
-            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
-        if not isinstance(meta, dict) or not {"fingerprint", "leaves", "checksums"} <= set(meta):
-            raise CheckpointError(f"{where} has no coat_jax training metadata")
-        abstract = _abstract_subtree(meta["leaves"], "params")
-        if not abstract:
-            raise CheckpointError(f"{where} holds no parameters")
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
-        try:
-            params = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        item={"params": abstract},
-                        restore_args={"params": restore_args},
-                        partial_restore=True,
-                    )
-                ),
-            )["state"]["params"]
-        except Exception as e:
-            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
-    sums = meta["checksums"]
-    bad = [k for k, v in leaf_checksums({"params": params}).items() if sums.get(k) != v]
-    if bad:
-        raise CheckpointError(
-            f"{where} is corrupt: {len(bad)} array(s) fail their checksum, e.g. state{bad[0]}"
-        )
-    return params, meta

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import yaml
 
+from coat_jax.training.config import TrainConfig
+
 NO_DESCRIPTION = "(no description)"
 
 # One line per key, by its dotted name.
@@ -41,15 +43,12 @@ DESCRIPTIONS = {
     "fp8_group_scale": "1x16 activation scales: float32 (COAT) or e8m0 (power of two, 1 byte)",
     "fp8_swiglu": "coat: FP8 SiLU and product ops (COAT); fused: one FP8 SwiGLU keeping gate "
     "and up only (precision coat)",
-    "fp8_gemm_output": "compute: FP8 GEMMs write BF16 activations themselves; float32: a "
-    "float32 result cast afterwards",
     "fp8_linear_scaling": "FP8 linear scales: tensor (COAT); row (per token and channel); "
     "row_gw_hp (row, the weight gradient in BF16)",
     "master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded updates)",
     "loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
     "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh; the FP8 ops: see "
-    "fp8_kernels); xla: jnp; pallas; "
-    "interpret: auto in Pallas interpret mode (CPU tests, slow)",
+    "fp8_kernels); xla: jnp; pallas",
     "fp8_kernels": "kernels for the FP8 activation ops alone (auto: Pallas where one runs; "
     "xla; pallas; null: with kernels=auto, auto for hidden >= 4096 and >= 16384 tokens per "
     "device, else xla; with other kernels, as kernels), the optimizer keeping kernels'",
@@ -122,8 +121,6 @@ DESCRIPTIONS = {
     "xla_excess_precision": "XLA's xla_allow_excess_precision (false: bfloat16 "
     "intermediates cross memory as bfloat16, not float32; null: false for coat on a GPU, "
     "XLA's own default otherwise)",
-    "fp8_codes_barrier": "optimization barrier on the FP8 codes kept for backward (false "
-    "needs xla_excess_precision=false: 0.65 GiB less, 0.78% slower at 7B batch 20)",
     "mesh.data": "data-parallel size (-1: all remaining devices)",
     "mesh.fsdp": "parameter-sharding (FSDP) size (-1: all remaining devices)",
 }
@@ -164,8 +161,6 @@ def config_keys(cls=None, instance=None, prefix: str = "") -> list[KeyDoc]:
     their default factories give.
     """
     if cls is None:
-        from coat_jax.training.config import TrainConfig
-
         cls = TrainConfig
     instance = cls() if instance is None else instance
     hints = typing.get_type_hints(cls)

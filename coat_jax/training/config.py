@@ -20,6 +20,7 @@ import yaml
 
 from coat_jax.llama import REMAT_POLICIES, LlamaConfig
 from coat_jax.training.data import split_names
+from coat_jax.training.op_kernels import op_kernels_as_mapping, op_kernels_text, parse_op_kernels
 
 # The ``model`` section is a :class:`coat_jax.llama.LlamaConfig` (one source of truth for the
 # architecture, ``rope_scaling`` included). Keys a config leaves out take these values, the tiny
@@ -75,8 +76,8 @@ class TrainConfig:
     - ``fp8_weight_residual``: how the FP8 linears get their weights' E4M3 codes
       (``FP8Config.weight_residual``). ``once`` (default): every linear weight is quantized
       once per step before the layers run, all layers of a scanned model in one pass, and
-      forward and backward read those codes (1 byte per weight for the whole step; Llama-2-7B
-      on an H200: 1.180x the tokens/s of ``master`` at batch 1, 5.96 GiB more). ``master``
+      forward and backward read those codes (1 byte per weight for the whole step; faster than
+      ``master`` for a little more memory: docs/memory_options.md). ``master``
       quantizes in forward and again in backward, keeping no codes (the leanest, e.g. with
       ``optimizer_in_backward``); ``fp8`` keeps forward's codes for backward
       (docs/memory_options.md).
@@ -92,10 +93,6 @@ class TrainConfig:
       ``coat`` (default, COAT: two FP8 ops keeping gate, the SiLU output and up) or ``fused``
       (one op keeping gate and up, the SiLU recomputed in backward: one intermediate-size FP8
       tensor less per layer; docs/memory_options.md, "Fused SwiGLU").
-    - ``fp8_gemm_output``: what the FP8 GEMMs whose result is an activation write
-      (``FP8Config.gemm_output``; precision ``fp8`` or ``coat``): ``compute`` (default, BF16
-      straight from cuBLASLt) or ``float32`` (a float32 result, cast afterwards: twice the
-      bytes; docs/fp8_gemm.md).
     - ``fp8_linear_scaling``: how the FP8 linears scale their operands
       (``FP8Config.linear_scaling``; precision ``fp8`` or ``coat``, with
       ``fp8_weight_residual: master``): ``tensor`` (default, COAT: one scale per tensor),
@@ -108,8 +105,9 @@ class TrainConfig:
     - ``kernels``: where coat_adamw's step and the FP8 ops' quantizers and fused non-linear ops
       run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh, except the FP8 ops'
       which ``fp8_kernels`` picks unless set; plain jnp elsewhere),
-      ``xla`` (plain jnp), ``pallas`` (the kernels, an error where one cannot run) or
-      ``interpret`` (``auto`` with the kernels in Pallas interpret mode: CPU tests, slow).
+      ``xla`` (plain jnp) or ``pallas`` (the kernels, an error where one cannot run). Tests
+      run the kernels in Pallas interpret mode on a CPU through the environment variable
+      ``coat_jax.training.optimizers.PALLAS_INTERPRET_ENV``, not through this key.
     - ``fp8_kernels``: ``kernels`` for the FP8 activation ops alone (quantizers and fused
       non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s.
       ``null`` (the default): with ``kernels: auto``, by the run's shape
@@ -120,9 +118,8 @@ class TrainConfig:
       runs the Pallas kernels of the FP8 ops, ``auto`` the Pallas kernels where one runs (a
       GPU; a shape a kernel cannot take falls back to XLA op by op) and the references
       elsewhere. The choice follows ``batch_size``: ``--plan`` compiles its other batch sizes
-      with it. Measured on the H200 (docs/bench_fp8_kernels.md), the Pallas kernels' tokens/s
-      against XLA's fusions': Llama-2-7B 2.2% lower at batch 1, level at batch 4, 0.9% to 2.8%
-      higher at batches 8 to 20; the 76M model 3.5% and 4.0% lower at 16384 and 65536 tokens.
+      with it. The thresholds follow the measured tokens/s of the Pallas kernels against XLA's
+      fusions (docs/bench_fp8_kernels.md).
     - ``fp8_op_kernels``: exceptions to ``fp8_kernels``, op by op:
       ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``, which
       merges into a ``base:`` file's setting op by op, and ``fp8_op_kernels.OP=IMPL`` on the
@@ -159,34 +156,24 @@ class TrainConfig:
     - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
     - ``deterministic``: compile the training step and the evaluation with XLA's
-      ``xla_gpu_deterministic_ops`` (``coat_jax.training.loop.compiler_options``), meant to make
+      ``xla_gpu_deterministic_ops`` (``coat_jax.training.program.compiler_options``), meant to make
       a single-GPU run repeat bit for bit: scatters (the embedding's gradient) and reductions
       without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
       collectives across devices are not covered. The model's attention then runs as XLA's
       (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by
-      default. On the H200 (JAX 0.11.2) two runs of a tiny COAT model with it repeat bit for
-      bit (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With
-      cuDNN's attention the BF16 and COAT steps had failed to compile under the XLA option
-      (cause not located); an error of the first step under this option is reported as one
-      that names it.
-      The CPU backend is deterministic without it. Why it exists: two H200 runs of BF16 seed 0
-      of the ``scratch_code`` study, one session's code changes apart (none of them in BF16's
-      step), ended 0.0048 apart in validation loss (docs/accuracy.md).
+      default. On a GPU two runs of a tiny COAT model with it repeat bit for bit
+      (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With cuDNN's
+      attention the BF16 and COAT steps failed to compile under the XLA option (cause not
+      located), hence XLA's attention; an error of the first step under this option is
+      reported as one that names it. The CPU backend is deterministic without it. Why it
+      exists: two GPU runs of the same BF16 step did not repeat (docs/accuracy.md).
     - ``xla_excess_precision``: XLA's ``xla_allow_excess_precision`` for the training step and
-      the evaluation (``coat_jax.training.loop.compiler_options``). ``true`` (XLA's own default)
+      the evaluation (``coat_jax.training.program.compiler_options``). ``true`` (XLA's own default)
       lets XLA keep a bfloat16 intermediate in float32 between two fusions (it removes the
       round trip through bfloat16); ``false`` rounds every bfloat16 value the program names,
       so those tensors cross memory in 2 bytes instead of 4. ``null``: the measured default,
       ``false`` for precision ``coat`` on a GPU and XLA's own otherwise
-      (``coat_jax.training.loop.excess_precision``, docs/bench_excess_precision.md).
-    - ``fp8_codes_barrier``: pass the FP8 codes that XLA's quantizers make for backward through
-      an optimization barrier (``FP8Config.codes_barrier``), which keeps XLA's excess precision
-      from folding their round trip back into the unquantized values. ``true`` (default).
-      ``false`` needs ``xla_excess_precision: false``, under which nothing can fold: a scanned
-      model's forward then writes its group-scaled codes straight into the stacked residuals
-      instead of copying them there, but XLA splits their quantization into more passes
-      (Llama-2-7B at batch 20 on an H200: 0.65 GiB less at the compiled peak, 0.78% slower;
-      docs/bench_codes_barrier.md).
+      (``coat_jax.training.model.excess_precision``, docs/bench_excess_precision.md).
     - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
       or ``coat``) the range of the FP8 activation scales to the metrics records written
       every ``log_every`` steps (and at the first and last step), computed on those steps
@@ -212,11 +199,10 @@ class TrainConfig:
     fp8_weight_residual: Literal["master", "fp8", "once"] = "once"
     fp8_group_scale: Literal["float32", "e8m0"] = "float32"
     fp8_swiglu: Literal["coat", "fused"] = "coat"
-    fp8_gemm_output: Literal["compute", "float32"] = "compute"
     fp8_linear_scaling: Literal["tensor", "row", "row_gw_hp"] = "tensor"
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
-    kernels: Literal["auto", "xla", "pallas", "interpret"] = "auto"
+    kernels: Literal["auto", "xla", "pallas"] = "auto"
     fp8_kernels: Literal["auto", "xla", "pallas"] | None = None
     fp8_op_kernels: str | None = None
     fused_apply: bool = True
@@ -267,7 +253,6 @@ class TrainConfig:
     compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
     deterministic: bool = False
     xla_excess_precision: bool | None = None
-    fp8_codes_barrier: bool = True
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
@@ -350,12 +335,6 @@ class TrainConfig:
                 f"coat, and precision={self.precision} runs them in BF16; use precision=coat, "
                 "or set fp8_swiglu=coat"
             )
-        if self.fp8_gemm_output != "compute" and self.precision == "bf16":
-            raise ValueError(
-                f"fp8_gemm_output={self.fp8_gemm_output} changes the FP8 GEMMs, and "
-                "precision=bf16 has none; use precision=fp8 or coat, or set "
-                "fp8_gemm_output=compute"
-            )
         if self.fp8_linear_scaling != "tensor" and (
             self.precision == "bf16" or self.fp8_weight_residual != "master"
         ):
@@ -364,19 +343,6 @@ class TrainConfig:
                 f"linears, and precision={self.precision} with fp8_weight_residual="
                 f"{self.fp8_weight_residual} does not; use precision=fp8 or coat with "
                 "fp8_weight_residual=master, or set fp8_linear_scaling=tensor"
-            )
-        if not self.fp8_codes_barrier and self.precision == "bf16":
-            raise ValueError(
-                "fp8_codes_barrier=false concerns the FP8 codes kept for backward, and "
-                "precision=bf16 keeps none; use precision=fp8 or coat, or set "
-                "fp8_codes_barrier=true"
-            )
-        if not self.fp8_codes_barrier and self.xla_excess_precision is True:
-            raise ValueError(
-                "fp8_codes_barrier=false with xla_excess_precision=true: XLA's excess precision "
-                "may fold the FP8 round trip of the activations kept for backward back into "
-                "their unquantized values (the saved 'FP8' tensors would silently be float32); "
-                "set xla_excess_precision=false, or fp8_codes_barrier=true"
             )
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
@@ -444,43 +410,6 @@ def _check_positive(cfg, *names):
             raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
-def parse_op_kernels(text: str | None) -> tuple[tuple[str, str], ...]:
-    """``fp8_op_kernels`` (``"op=implementation;..."``) as ``FP8Config.op_implementations``.
-
-    ``ValueError`` names a malformed entry, an unknown op or implementation, or a repeated op.
-    """
-    from coat_jax.fp8_ops import check_op_implementations
-
-    if text is None:
-        return ()
-    pairs = []
-    for entry in (e.strip() for e in str(text).split(";")):
-        op, sep, implementation = entry.partition("=")
-        if not sep or not op.strip() or not implementation.strip():
-            raise ValueError(
-                f"fp8_op_kernels entry {entry!r} is not op=implementation; write e.g. "
-                "fp8_op_kernels='quantize_per_tensor=pallas;swiglu=xla'"
-            )
-        pairs.append((op.strip(), implementation.strip()))
-    try:
-        return check_op_implementations(tuple(pairs))
-    except ValueError as e:
-        raise ValueError(f"fp8_op_kernels={text!r}: {e}") from None
-
-
-def op_kernels_text(mapping: Mapping[str, Any]) -> str:
-    """A YAML mapping ``{op: implementation}`` for ``fp8_op_kernels`` as its
-    ``"op=implementation;..."`` text (the field's one stored form)."""
-    bad = {k: v for k, v in mapping.items() if not isinstance(k, str) or not isinstance(v, str)}
-    if bad or not mapping:
-        raise ValueError(
-            f"fp8_op_kernels={dict(mapping)!r}: a mapping must name at least one op and map "
-            "each op name to an implementation name (auto, xla or pallas), e.g. "
-            "{swiglu: pallas, rmsnorm: xla}"
-        )
-    return ";".join(f"{op}={implementation}" for op, implementation in mapping.items())
-
-
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Builds a :class:`TrainConfig` from defaults, an optional YAML file and ``key=value`` items.
 
@@ -508,17 +437,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             ) from None
         key = key.strip()
         if key.startswith("fp8_op_kernels."):
-            _op_kernels_as_mapping(raw)
+            op_kernels_as_mapping(raw)
         _set_dotted(raw, key, value)
     return from_dict(raw)
-
-
-def _op_kernels_as_mapping(raw: dict) -> None:
-    """``raw["fp8_op_kernels"]`` in its text form becomes a mapping, so that one op's setting
-    (``fp8_op_kernels.OP=IMPL``, or a mapping in a file over a ``base:`` file's text) replaces
-    or adds that op and keeps the others, as over a mapping."""
-    if isinstance(raw.get("fp8_op_kernels"), str):
-        raw["fp8_op_kernels"] = dict(parse_op_kernels(raw["fp8_op_kernels"]))
 
 
 def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
@@ -548,7 +469,7 @@ def _load_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         return data
     merged = _load_yaml_with_bases(path.parent / base, (*seen, path))
     if isinstance(data.get("fp8_op_kernels"), Mapping):
-        _op_kernels_as_mapping(merged)
+        op_kernels_as_mapping(merged)
     _deep_update(merged, data)
     return merged
 
@@ -572,11 +493,35 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[leaf] = value
 
 
+# Keys and values the trainer no longer takes, with what replaced them: a config naming one is
+# refused with this line, not with the list of valid keys.
+REMOVED_KEYS = {
+    "fp8_codes_barrier": "fp8_codes_barrier was removed: the optimization barrier on the FP8 "
+    "codes kept for backward is always on (off was slower, docs/bench_codes_barrier.md); "
+    "delete the key",
+    "fp8_gemm_output": "fp8_gemm_output was removed: the FP8 GEMMs always write BF16 "
+    "activations themselves (a float32 result cast afterwards was slower, "
+    "docs/bench_gemm_output.md); delete the key",
+}
+REMOVED_VALUES = {
+    ("kernels", "interpret"): "kernels=interpret was removed: Pallas interpret mode is for "
+    "tests, which set the environment variable COAT_JAX_PALLAS_INTERPRET=1; use kernels=auto, "
+    "xla or pallas",
+}
+
+
 def _build(cls, raw: Mapping[str, Any], prefix: str):
     if not isinstance(raw, Mapping):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    if cls is TrainConfig:
+        for name, value in raw.items():
+            removed = REMOVED_KEYS.get(name)
+            if removed is None and isinstance(value, str):
+                removed = REMOVED_VALUES.get((name, value))
+            if removed is not None:
+                raise ValueError(removed)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         valid = ", ".join(prefix + name for name in fields)

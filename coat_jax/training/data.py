@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coat_jax.runs import tokenizer_identity
 from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 _CACHE_FORMAT = 1
@@ -44,11 +45,10 @@ class Tokenizer:
     def __init__(self, tok, source: str):
         self._tok = tok
         self._fast = getattr(tok, "backend_tokenizer", None)
+        self.identity = tokenizer_identity(tok)
         if isinstance(tok, ByteTokenizer):
-            self.identity = f"coat_jax.ByteTokenizer(vocab_size={tok.vocab_size})"
             self.vocab_size = tok.vocab_size
         elif self._fast is not None:
-            self.identity = hashlib.sha256(self._fast.to_str().encode()).hexdigest()
             self.vocab_size = len(tok)
         else:
             raise ValueError(

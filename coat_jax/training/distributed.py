@@ -1,7 +1,7 @@
 """Multi-process (multi-host) start-up: ``jax.distributed.initialize`` when a launcher asks for it.
 
 ``train.py`` calls :func:`maybe_initialize` before JAX touches a device. It initializes JAX's
-distributed runtime in exactly two cases, and otherwise does nothing (one process, as before):
+distributed runtime in exactly two cases, and otherwise does nothing (one process):
 
 * ``COAT_JAX_COORDINATOR`` is set: ``host:port`` of process 0's coordinator service, with
   ``COAT_JAX_NUM_PROCESSES`` (how many processes) and ``COAT_JAX_PROCESS_ID`` (this one's,

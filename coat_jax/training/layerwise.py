@@ -2,8 +2,8 @@
 
 The plain train step of a scanned model (``scan_layers: true``) differentiates the whole loss,
 so its backward scan writes every layer's gradient into one stacked buffer before the optimizer
-reads it: at Llama-2-7B a float32 gradient of 25 GiB held beside the parameters and the
-optimizer state, the largest item of the step's peak after them. Here (trainer key
+reads it: a float32 gradient of the whole model held beside the parameters and the optimizer
+state, the largest item of the step's peak after them (docs/memory_options.md). Here (trainer key
 ``optimizer_in_backward``, torchtune's ``optimizer_in_bwd``) the step drives the layers itself:
 
 1. forward: the embedding, then a scan over the layers that keeps each layer's backward
@@ -42,10 +42,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax.llama import default_positions
-from coat_jax.master import apply_updates_stochastic
-from coat_jax.optim import apply_gradients, apply_gradients_at
+from coat_jax.optim import apply_gradients_at, fused_in_place
 from coat_jax.training import sharding
-from coat_jax.training.telemetry import ActivationTelemetry
+from coat_jax.training.act_telemetry import ActivationTelemetry
+from coat_jax.training.step import apply_strategy
 from pallas_kernels.stacks import element, put_element
 
 # The key of one layer's parameters in the tree the optimizer sees per layer. Not "layers":
@@ -149,7 +149,9 @@ def make_train_step(
         (``coat_jax.master.float32_optimizer``); each update is then applied with stochastic
         rounding, keyed by ``seed``, the step count and the layer.
       loss_from_hidden: ``(model, hidden_BTD, labels_BT) -> mean loss`` (the trainer's).
-      fused_apply: apply through ``coat_jax.apply_gradients`` (coat_adamw's fused kernel);
+      fused_apply, low_precision: how each update is applied, as the plain step applies it
+        (``coat_jax.training.step.apply_strategy``): through ``coat_jax.apply_gradients``
+        (coat_adamw's fused kernel);
         for a ``tx`` whose kernel can step one layer inside the stacks (``coat_adamw``:
         ``coat_jax.optim.apply_gradients_at``), in place, with no slice of a layer's state
         read out or written back.
@@ -159,17 +161,12 @@ def make_train_step(
         plus one), placeholders. ``None``: the step without it, unchanged.
     """
 
-    in_place = fused_apply and not low_precision and hasattr(tx.update, "apply_at")
+    in_place = fused_apply and not low_precision and fused_in_place(tx)
+    apply = apply_strategy(tx, fused_apply=fused_apply, low_precision=low_precision)
 
     def update(grads, state, params, key):
-        if low_precision:
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            updates, state = tx.update(grads, state, params)
-            return apply_updates_stochastic(params, updates, key), state
-        if fused_apply:
-            return apply_gradients(tx, grads, state, params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        params, state, _ = apply(grads, state, params, key)
+        return params, state
 
     def train_step(params, opt_state: LayerwiseState, tokens_ABT1):
         if tokens_ABT1.shape[0] != 1:
@@ -234,9 +231,9 @@ def make_train_step(
         )
         g_head, g_embed, g_BTD = head_vjp(jnp.ones_like(loss))
         step_key = jax.random.fold_in(jax.random.key(seed), opt_state.count)
-        # The head is updated now, so that its gradient (Llama-2-7B's LM head: 0.49 GiB in
-        # float32) is gone before the layers' backward; the new head rides through the backward
-        # scan's carry, so that XLA cannot move the update after it.
+        # The head is updated now, so that its gradient (a vocabulary-by-width float32 matrix)
+        # is gone before the layers' backward; the new head rides through the backward scan's
+        # carry, so that XLA cannot move the update after it.
         keys = jax.random.split(step_key, 2)
         head_params, head_state = update(g_head, opt_state.head, head_params, keys[0])
         sum_sq = _sum_squares(g_head)
@@ -249,8 +246,8 @@ def make_train_step(
         # other's buffers after the in-place writes: XLA copies every stacked buffer in every
         # iteration to keep the old values (seen on the CPU, where an optimization barrier is
         # expanded away before fusion). The CPU still copies the stacked FP8 moments, which it
-        # computes in float16; on the H200 they are written in place (Llama-2-7B, batch 1: the
-        # same compiled peak as with them carried as uint8 bytes, 47.45 GiB).
+        # computes in float16; on a GPU they are written in place (the compiled peak equals the
+        # one with them carried as uint8 bytes: docs/memory_options.md).
         def layer_gradient(g_BTD, p_l, kept, i):
             weights, kept = jax.tree.leaves((p_l, element(codes, i))), iter(kept)
             leaves = [next(kept) if k is None else weights[k] for k in layout["weight"]]

@@ -26,6 +26,8 @@ the whole is wrapped in :func:`skip_nonfinite`.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -97,12 +99,10 @@ def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransfor
 # Where the FP8 activation ops run when ``fp8_kernels`` is unset and ``kernels`` is ``auto``:
 # ``auto`` (the Pallas kernels where they run, XLA's fusions elsewhere) for a model at least
 # FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS microbatch tokens per device,
-# ``xla`` (XLA's fusions of the jnp references, fused into their neighbours) otherwise. Measured
-# on the H200 with train.py's step (docs/bench_fp8_kernels.md): Llama-2-7B (hidden 4096) at
-# sequence 2048 with the memory options, the Pallas kernels' tokens/s against XLA's fusions':
-# 2.2% lower at batch 1, 0.5% lower at 2, level at 4 (+0.3%), 0.9% to 2.8% higher at 8 to 20
-# (16384 to 40960 tokens); the 76M model (hidden 768) 3.5% lower at 16384 tokens and 4.0% lower
-# at 65536. Nothing between hidden 768 and 4096 was measured.
+# ``xla`` (XLA's fusions of the jnp references, fused into their neighbours) otherwise. The
+# thresholds are where the Pallas kernels' tokens/s measured at least level with XLA's fusions
+# in train.py's step; the measurements, and the widths not measured, are in
+# docs/bench_fp8_kernels.md.
 FP8_PALLAS_MIN_HIDDEN = 4096
 FP8_PALLAS_MIN_TOKENS = 16384
 
@@ -124,19 +124,44 @@ def fp8_ops_auto(cfg: TrainConfig, devices: int = 1, hidden_size: int | None = N
     return "auto" if wide and tokens >= FP8_PALLAS_MIN_TOKENS else "xla"
 
 
+# Set to "1", every kernel of the trainer runs in Pallas interpret mode (slow; CPU tests of the
+# kernel paths). A test-only switch, not a config key: a user run never wants it.
+PALLAS_INTERPRET_ENV = "COAT_JAX_PALLAS_INTERPRET"
+
+
+def pallas_interpret() -> bool:
+    """Whether :data:`PALLAS_INTERPRET_ENV` asks for Pallas interpret mode (``1``; unset or
+    ``0``: no); any other value is refused."""
+    value = os.environ.get(PALLAS_INTERPRET_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PALLAS_INTERPRET_ENV}={value!r} is not valid; set it to 1 or 0")
+    return value == "1"
+
+
 def kernel_options(
     cfg: TrainConfig, *, fp8_ops: bool = False, devices: int = 1, hidden_size: int | None = None
 ) -> dict:
     """``implementation`` and ``interpret`` of the kernels for ``cfg.kernels``; with
     ``fp8_ops``, of the FP8 activation ops: ``cfg.fp8_kernels`` where set, else
     :func:`fp8_ops_auto` (for ``devices`` devices sharing the batch and a model
-    ``hidden_size`` wide) under ``kernels: auto`` and ``kernels`` otherwise (``pallas`` and
-    ``interpret`` keep the Pallas kernels of every op)."""
-    interpret = cfg.kernels == "interpret"
-    implementation = "auto" if interpret else cfg.kernels
+    ``hidden_size`` wide) under ``kernels: auto`` and ``kernels`` otherwise (``pallas`` keeps
+    the Pallas kernels of every op).
+
+    With the environment variable :data:`PALLAS_INTERPRET_ENV` set to ``1`` (tests on a CPU)
+    every kernel runs in Pallas interpret mode: ``auto`` with ``interpret``, the FP8 ops too
+    unless ``fp8_kernels`` is set; it needs ``kernels: auto``.
+    """
+    interpret = pallas_interpret()
+    if interpret and cfg.kernels != "auto":
+        raise ValueError(
+            f"{PALLAS_INTERPRET_ENV}=1 runs every kernel in Pallas interpret mode, and "
+            f"kernels={cfg.kernels} asks for another; set kernels=auto or unset "
+            f"{PALLAS_INTERPRET_ENV}"
+        )
+    implementation = cfg.kernels
     if fp8_ops and cfg.fp8_kernels is not None:
         implementation = cfg.fp8_kernels
-    elif fp8_ops and cfg.kernels == "auto":
+    elif fp8_ops and cfg.kernels == "auto" and not interpret:
         implementation = fp8_ops_auto(cfg, devices, hidden_size)
     return dict(implementation=implementation, interpret=interpret)
 

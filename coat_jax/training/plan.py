@@ -1,6 +1,6 @@
 """What a training config will need, before training: ``python train.py --plan``.
 
-The trainer's own step (:func:`coat_jax.training.loop.build_program`) is compiled, never run, at
+The trainer's own step (:func:`coat_jax.training.program.build_program`) is compiled, never run, at
 each batch size, and XLA's ``compiled.memory_analysis()`` gives its peak: arguments (parameters,
 optimizer state, the token batch) + outputs - donated + temporaries. Temporaries are split into
 the activations backward keeps (the residuals of the loss's ``jax.vjp``, traced with
@@ -17,8 +17,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from coat_jax.checkpoint_io import read_config
+from coat_jax.memory import residuals
 from coat_jax.quant import state_bytes
+from coat_jax.runs import resolve_init_from
 from coat_jax.training.config import TrainConfig
+from coat_jax.training.model import next_token_loss
+from coat_jax.training.program import build_program
 
 GIB = 2**30
 
@@ -51,9 +56,6 @@ def device_limit() -> int | None:
 def _llama_config(cfg: TrainConfig):
     if not cfg.init_from:
         return cfg.model
-    from coat_jax.checkpoint_io import read_config
-    from coat_jax.training.loop import resolve_init_from
-
     return read_config(resolve_init_from(cfg.init_from))
 
 
@@ -72,9 +74,6 @@ def plan_memory(
       ``(rows, largest_fitting_batch, device_limit_bytes)``; the last two are None where the
       backend has no memory limit.
     """
-    from coat_jax.memory import residuals
-    from coat_jax.training.loop import build_program, next_token_loss
-
     for b in batch_sizes or ():
         if not isinstance(b, int) or b <= 0:
             raise ValueError(f"batch sizes must be positive integers, got {b!r}")

@@ -25,19 +25,30 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# The parameter layout (the FSDP rule and the stacked-layer exception) lives with the kernels that
-# run on its shards, where the optimizer takes its default specs from too; the trainer, its tests
-# and coat_jax.training.telemetry use it from here.
+from coat_jax.llama_layout import is_stacked_layer
+
+# The FSDP rule lives with the kernels that run on its shards; the model says which of its
+# parameters are stacked layers.
 from pallas_kernels.sharding import (  # noqa: F401 - public here too
     GROUP_SIZE,
-    _is_stacked_layer,
+    fsdp_param_shardings,
+    fsdp_param_spec,
     fsdp_spec,
-    param_shardings,
-    param_spec,
 )
 
 AXES = ("data", "fsdp")
 BATCH_AXES = AXES
+
+
+def param_spec(path, shape: tuple[int, ...], fsdp_size: int) -> PartitionSpec:
+    """The FSDP spec of the Llama parameter at ``path`` (:func:`~pallas_kernels.sharding.
+    fsdp_param_spec` with the model's :func:`~coat_jax.llama_layout.is_stacked_layer`)."""
+    return fsdp_param_spec(path, shape, fsdp_size, is_stacked=is_stacked_layer)
+
+
+def param_shardings(abstract_params, mesh: Mesh):
+    """Each Llama parameter's ``NamedSharding`` on ``mesh`` under the FSDP rule."""
+    return fsdp_param_shardings(abstract_params, mesh, is_stacked=is_stacked_layer)
 
 
 def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
