@@ -46,7 +46,7 @@ re-quantizes each float32 weight in backward, ``fp8`` keeps forward's E4M3 codes
     python benchmarks/bench_layer.py --tiny --weight-residual master,fp8    # CPU smoke test
     python benchmarks/bench_layer.py --out-dir runs/layer --docs docs/bench_layer.md   # one H200
     python benchmarks/bench_layer.py --batches 1,4 --weight-residual master,fp8 --reps 5 \\
-        --warmup 2 --profile-reps 3 --out-dir runs/layer --docs docs/bench_layer.md  # issue 12
+        --warmup 2 --profile-reps 3 --out-dir runs/layer --docs docs/bench_layer.md
 """
 
 from __future__ import annotations

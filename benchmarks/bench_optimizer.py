@@ -54,7 +54,7 @@ from coat_jax.training import sharding  # noqa: E402
 from pallas_kernels import coat_adam as ca  # noqa: E402
 
 LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 0.1
-SECTION = "## Optimizer step (issue 3)"
+SECTION = "## Optimizer step"
 # --interpret runs the Pallas paths in interpret mode: a CPU smoke test of this script only.
 INTERPRET = False
 

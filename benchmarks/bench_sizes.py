@@ -11,7 +11,7 @@ tokens/s is at least BF16's.
 
 Sizes (``--sizes``; ``NAME@BATCHxSEQ`` changes one size's batch and sequence length):
 
-  76M-bytes  issue 12's own row: the shape below with byte tokens (vocabulary 258), 16 x 1024
+  76M-bytes  the 76M row: the shape below with byte tokens (vocabulary 258), 16 x 1024
   76M    accuracy.py's ``scratch`` model (hidden 768, 12 layers, GQA 12/4, tied embeddings,
          SmolLM2's 49152-token vocabulary), batch 16 x seq 1024. The name counts the parameters
          without the embedding (113M with it).
@@ -118,7 +118,7 @@ def _scratch() -> Size:
 SIZES = {
     s.name: s
     for s in (
-        # Issue 12's own 76M row: the same shape with byte tokens (train.py's ``tokenizer: byte``).
+        # The 76M row: the same shape with byte tokens (train.py's ``tokenizer: byte``).
         dataclasses.replace(_scratch(), name="76M-bytes", vocab=258),
         _scratch(),
         Size("350M", 1024, 24, 16, 16, 64, 2816, 32000, False, 8, 2048, 75),
@@ -397,7 +397,7 @@ def report(rows: list[dict], sweep: list[dict], setups: list[dict]) -> str:
         "runs (bench_e2e's second timing). A setting "
         "is precision:layer layout:remat policy (`scan_layers`, `remat`); each mode's fastest "
         "setting per size is shown. The sizes are `SIZES` in `benchmarks/bench_sizes.py`; 76M is "
-        "`benchmarks/accuracy.py`'s `scratch` model, named, as in issue 12, by its parameters "
+        "`benchmarks/accuracy.py`'s `scratch` model, named by its parameters "
         "without the embedding. Settings per mode:",
         "",
     ]

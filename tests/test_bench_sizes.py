@@ -32,7 +32,7 @@ def test_76m_is_the_scratch_model_of_accuracy():
     # Every architecture key of the scratch model, the context length aside (it follows --sizes).
     ours = {kv for kv in size.overrides() if not kv.startswith("model.max_position")}
     assert ours == {kv for kv in model if not kv.startswith("model.max_position")}
-    # The name counts the parameters without the embedding, as issue 12 does.
+    # The name counts the parameters without the embedding, as the paper's model names do.
     assert round((_n_params(size) - size.embedding_params()) / 1e6) == 76
 
 

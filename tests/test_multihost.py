@@ -1,4 +1,4 @@
-"""Multi-process training (issue 16): ``train.py`` under a launcher, 2 processes x 4 CPU devices.
+"""Multi-process training: ``train.py`` under a launcher, 2 processes x 4 CPU devices.
 
 The start-up rules of ``coat_jax.training.distributed`` are checked on environments given as
 dicts; the end-to-end test starts ``train.py`` twice with the ``COAT_JAX_*`` variables and a
