@@ -69,6 +69,21 @@ def test_removed_options_leave_the_help_and_are_refused_in_one_line():
         assert len(lines) == 1 and lines[0].startswith("error: ") and replaced in lines[0], lines
 
 
+def test_a_yaml_syntax_error_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 10\nmodel: [hidden_size: 64\n")
+    with pytest.raises(ValueError, match="is not valid YAML at line 3, column 1") as info:
+        load_config(bad, [])
+    assert "\n" not in str(info.value)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", str(bad)], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not valid YAML" in lines[0] and str(bad) in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+
+
 def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
     """Scalars of TensorBoard event files, read with tensorboardX's protos (TFRecord framing)."""
     from tensorboardX.proto import event_pb2

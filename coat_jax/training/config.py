@@ -459,7 +459,16 @@ def _load_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ValueError(
+                f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the syntax "
+                "there (python train.py --help lists the keys)"
+            ) from None
     if not isinstance(data, dict):
         raise ValueError(
             f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}"
