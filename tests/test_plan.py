@@ -51,6 +51,10 @@ def test_train_py_plan_prints_a_table():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "memory plan" in out.stdout and "no memory limit" in out.stdout
+    # Off the GPU the table says first that it is not a GPU plan, and names no bare peak.
+    assert out.stdout.startswith("NOT A GPU PLAN: the cpu backend reports no memory limit")
+    header = next(line for line in out.stdout.splitlines() if line.lstrip().startswith("batch"))
+    assert "cpu peak" in header and "fits" not in header
     bad = subprocess.run(
         [sys.executable, "train.py", "--plan", "two"], cwd=REPO, capture_output=True, text=True
     )

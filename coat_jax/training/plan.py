@@ -151,19 +151,31 @@ def format_plan(rows: list[PlanRow], largest: int | None, limit: int | None, cfg
     """The plan as a table, in GiB (MiB when every peak is below 1 GiB)."""
     backend = jax.default_backend()
     unit, size = ("GiB", GIB) if max(r.peak for r in rows) >= GIB else ("MiB", 2**20)
-    lines = [
+    # Without an allocator limit (the CPU) the figures are that backend's program, not a GPU
+    # plan: said first, and the peak column named after the backend.
+    peak_name = "peak" if limit is not None else f"{backend} peak"
+    lines = (
+        []
+        if limit is not None
+        else [
+            f"NOT A GPU PLAN: the {backend} backend reports no memory limit, so these are XLA's "
+            f"{backend} figures (a GPU compiles another program); run --plan on the GPU to plan it.",
+            "",
+        ]
+    )
+    lines += [
         f"memory plan of this config's train step ({cfg.precision}, {cfg.optimizer}, "
         f"scan_layers={cfg.scan_layers}, remat={cfg.remat}, master_dtype={cfg.master_dtype}, "
         f"seq_len={cfg.seq_len}, grad_accum={cfg.grad_accum}) on {backend}, compiled, not run:",
         "",
         f"{'batch':>6} {'params':>9} {'opt state':>10} {'activations':>12} {'workspace':>10} "
-        f"{'peak':>9}  fits",
+        f"{peak_name:>9}" + ("  fits" if limit is not None else ""),
     ]
     for r in rows:
-        fits = "n/a" if r.fits is None else ("yes" if r.fits else "no")
+        fits = "" if r.fits is None else ("  yes" if r.fits else "  no")
         lines.append(
             f"{r.batch_size:>6} {r.params / size:>9.2f} {r.opt_state / size:>10.2f} "
-            f"{r.activations / size:>12.2f} {r.workspace / size:>10.2f} {r.peak / size:>9.2f}  "
+            f"{r.activations / size:>12.2f} {r.workspace / size:>10.2f} {r.peak / size:>9.2f}"
             f"{fits}"
         )
     lines.append("")
