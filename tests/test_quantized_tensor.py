@@ -298,8 +298,8 @@ def test_optimizer_state_layout_is_unchanged_by_the_view(expansion):
     state = tx.init(params)
     assert type(state) is optim.ScaleByCoatAdamState
     treedef = jax.tree.structure(params)
-    mus = optim._moments_of(state, treedef, "mu", 128)
-    nus = optim._moments_of(state, treedef, "nu", 128)
+    mus = optim.moments_of(state, treedef, "mu", 128)
+    nus = optim.moments_of(state, treedef, "nu", 128)
     by_name = dict(zip(("b", "s", "w"), mus, strict=True))  # dict leaves in key order
     assert isinstance(by_name["w"], QT) and by_name["w"].expansion == expansion
     assert not isinstance(by_name["s"], QT)  # a scalar keeps its float32 moment
