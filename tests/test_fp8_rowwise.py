@@ -27,7 +27,8 @@ from coat_jax.fp8.rowwise import fp8_rowwise_linear, quantize_along
 from coat_jax.fp8_ops import FP8Config, ops_for
 from coat_jax.memory import residuals
 from coat_jax.training import load_config
-from coat_jax.training.loop import build_program, train
+from coat_jax.training.loop import train
+from coat_jax.training.program import build_program
 from tests.jaxprs import equations
 from tests.tiny_runs import tiny_run
 
