@@ -79,7 +79,7 @@ MODES = {
         _EXCESS,
     ],
     # The optimizer inside the backward pass, which cannot clip by the global norm: what changes
-    # against "coat" is the clipping (the step is otherwise the same, tests/test_layerwise.py).
+    # against "coat" is the clipping (the step is otherwise the same, tests/training/test_layerwise.py).
     "coat_inbwd": [
         "precision=coat",
         "optimizer=coat_adamw",

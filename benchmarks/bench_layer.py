@@ -117,7 +117,7 @@ _ATTENTION_NAME = re.compile(r"fmha|flash|sdpa|attention|cudnn")
 _GEMM_NAME = re.compile(r"gemm|gemv|cublas|cutlass|xmma|nvjet|matmul|splitkreduce")
 _MEMCPY_NAME = re.compile(r"memcpy|memset")
 # Every pallas_call name of pallas_kernels/fp8_act/ and fp8_quant/ starts with the first, of
-# pallas_kernels/coat_adam/ with the second (tests/test_bench_layer.py reads the sources).
+# pallas_kernels/coat_adam/ with the second (tests/benchmarks/test_bench_layer.py reads the sources).
 FP8_KERNEL_PREFIX = "fp8_"
 OPTIMIZER_KERNEL_PREFIX = "coat_adam"
 # Lines of a device plane that the profiler derives from the kernels it traced (xprof's
@@ -626,7 +626,7 @@ def worker(args) -> None:
         u = batch * seq * config.hidden_size * 2
         xs = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
         # Activations are those of the "master" variant: both options keep the same ones
-        # (tests/test_scan_remat.py), and through a scan every residual counts as dependent on
+        # (tests/model/test_scan_remat.py), and through a scan every residual counts as dependent on
         # the input, weight codes included. The FP8 weight codes "fp8" keeps are the FP8
         # residual bytes it holds beyond master's (master keeps float32 weight references).
         res_master = residuals(

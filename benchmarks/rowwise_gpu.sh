@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Row-wise scaled FP8 linear (FP8Config.linear_scaling, trainer key fp8_linear_scaling) on one
 # GPU, within 9 minutes of wall clock:
-#   1. tests/test_fp8_rowwise.py (its GPU-only test: the cuBLASLt FP8 GEMMs of each scaling;
+#   1. tests/fp8/test_fp8_rowwise.py (its GPU-only test: the cuBLASLt FP8 GEMMs of each scaling;
 #      the three-step trainer run, a compile-bound CPU test, is left to the CPU);
 #   2. benchmarks/rowwise_hlo.py: GEMMs and quantizing fusions of an RMSNorm + linear at a
 #      Llama-2-7B MLP size, per scaling (summary in run.log, full HLO in hlo_*.txt.gz);
@@ -55,7 +55,7 @@ run_step() {  # run_step SECONDS COMMAND...: at most SECONDS, and never past the
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 } >>"$LOG" 2>&1
 
-run_step 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fp8_rowwise.py \
+run_step 120 python3 -m pytest -q -p no:cacheprovider -rs tests/fp8/test_fp8_rowwise.py \
   -k "not trainer_runs_three_steps"
 run_step 60 python3 benchmarks/rowwise_hlo.py --out "$OUT" "${HLO_SIZE[@]}"
 

@@ -129,7 +129,7 @@ def default_positions(input_ids_BT, positions_BT=None) -> jax.Array:
 
 
 # What a decoder layer's FP8 ops quantize, in the order the layer calls them (the indices of the
-# activation telemetry, docs/telemetry.md; tests/test_act_telemetry.py checks the order): the
+# activation telemetry, docs/telemetry.md; tests/training/test_act_telemetry.py checks the order): the
 # inputs of its linears (per-tensor scales), and the tensors its non-linear ops keep for
 # backward (1xG scales): the residual stream into each RMSNorm, the gate projection into SiLU,
 # SiLU's output and the up projection into the product (with FP8Config(swiglu="fused"): gate

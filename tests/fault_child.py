@@ -1,4 +1,4 @@
-"""train.py with a fault injected, run as a child process by tests/test_reliability.py.
+"""train.py with a fault injected, run as a child process by tests/training/test_reliability.py.
 
   python tests/fault_child.py --block-save STEP --marker FILE -- key=value ...
 

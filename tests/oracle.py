@@ -1,7 +1,7 @@
 """An independent float64 numpy oracle of the FP8 ops: forward, hand-derived backward, codecs.
 
 Written from /work/shared/SPEC.md and docs/design.md ('Numerics'), not from coat_jax or
-pallas_kernels: nothing here imports a formula of the library. tests/test_fp8_oracle.py compares
+pallas_kernels: nothing here imports a formula of the library. tests/fp8/test_fp8_oracle.py compares
 the library against it in two ways:
 
 * exactly: the op's float64 value and gradient at the exact inputs (the FP8 error is then

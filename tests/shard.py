@@ -18,10 +18,10 @@ import sys
 import pytest
 
 GPU_FILES = (
-    "tests/test_fp8_ops.py",
-    "tests/test_pallas_adam.py",
-    "tests/test_attention_backward.py",
-    "tests/test_gemm_output.py",
+    "tests/fp8/test_fp8_ops.py",
+    "tests/kernels/test_pallas_adam.py",
+    "tests/fp8/test_attention_backward.py",
+    "tests/fp8/test_gemm_output.py",
 )
 _GPU_REASON = re.compile(r"gpu|cuda|cudnn", re.IGNORECASE)
 

@@ -42,10 +42,10 @@ class _Item:
 
 
 def test_the_gpu_selection_keeps_gpu_files_and_gpu_skips_only():
-    gpu_file = _Item("tests/test_gemm_output.py::test_a")
-    cudnn = _Item("tests/test_llama.py::test_b", ["cuDNN's attention needs a GPU"])
-    cpu = _Item("tests/test_llama.py::test_c", ["the CPU only"])
-    plain = _Item("tests/test_train.py::test_d")
+    gpu_file = _Item("tests/fp8/test_gemm_output.py::test_a")
+    cudnn = _Item("tests/model/test_llama.py::test_b", ["cuDNN's attention needs a GPU"])
+    cpu = _Item("tests/model/test_llama.py::test_c", ["the CPU only"])
+    plain = _Item("tests/training/test_train.py::test_d")
     items, dropped = _run(0, 1, [gpu_file, cudnn, cpu, plain], gpu=True)
     assert items == [gpu_file, cudnn]
     assert dropped == [cpu, plain]

@@ -32,7 +32,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORACLE_TESTS = "tests/test_fp8_oracle.py"
+ORACLE_TESTS = "tests/fp8/test_fp8_oracle.py"
 
 QUANT = "pallas_kernels/quant.py"
 ACT_REFERENCE = "pallas_kernels/fp8_act/reference.py"
@@ -53,7 +53,7 @@ class Fault:
     Attributes:
       name: a short description.
       edits: ``(file, old, new)`` exact replacements, ``old`` occurring once in ``file``.
-      select: the ``-k`` expression choosing the tests of tests/test_fp8_oracle.py to run.
+      select: the ``-k`` expression choosing the tests of tests/fp8/test_fp8_oracle.py to run.
       existing: the existing tests (pytest arguments) that cover the same code.
     """
 
@@ -74,7 +74,7 @@ FAULTS = (
             ),
         ),
         "silu-xla-0-float32",
-        ("tests/test_fp8_ops.py", "-k", "silu"),
+        ("tests/fp8/test_fp8_ops.py", "-k", "silu"),
     ),
     Fault(
         "linear output gradient quantized as E4M3 instead of E5M2",
@@ -86,7 +86,7 @@ FAULTS = (
             ),
         ),
         "linear-xla-0-float32 or gemms",
-        ("tests/test_fp8_ops.py", "-k", "linear"),
+        ("tests/fp8/test_fp8_ops.py", "-k", "linear"),
     ),
     Fault(
         "linear input gradient x1.04",
@@ -98,7 +98,7 @@ FAULTS = (
             ),
         ),
         "linear-xla-0-float32",
-        ("tests/test_fp8_ops.py", "-k", "linear"),
+        ("tests/fp8/test_fp8_ops.py", "-k", "linear"),
     ),
     Fault(
         "linear weight gradient x0.97",
@@ -126,7 +126,7 @@ FAULTS = (
             ),
         ),
         "rmsnorm-xla-0-float32 or rmsnorm-pallas-0-float32",
-        ("tests/test_fp8_ops.py", "-k", "rmsnorm"),
+        ("tests/fp8/test_fp8_ops.py", "-k", "rmsnorm"),
     ),
     Fault(
         "RMSNorm weight gradient x0.98 (reference and kernel)",
@@ -206,7 +206,7 @@ FAULTS = (
             ),
         ),
         "inexact",
-        ("tests/test_group_scale.py",),
+        ("tests/fp8/test_group_scale.py",),
     ),
     Fault(
         "dequantize_dre 0.4% bias",
@@ -218,7 +218,7 @@ FAULTS = (
             ),
         ),
         "dre or optimizer or adamw",
-        ("tests/test_quant.py", "tests/test_optim.py", "-k", "spec"),
+        ("tests/optim/test_quant.py", "tests/optim/test_optim.py", "-k", "spec"),
     ),
     Fault(
         "optimizer kernel's DRE decode 0.4% bias",
@@ -291,7 +291,7 @@ FAULTS = (
             ),
         ),
         "scaled_cast",
-        ("tests/test_quant.py", "-k", "clips"),
+        ("tests/optim/test_quant.py", "-k", "clips"),
     ),
     Fault(
         "group scale from max(x) instead of max|x| (reference and kernel)",
@@ -346,7 +346,7 @@ FAULTS = (
         "attention backward from a kept output without rowsum(dO * O)",
         ((ATTENTION, "ds = probs * (dp - d[..., None])", "ds = probs * dp"),),
         "attention_linear-xla-0-float32",
-        ("tests/test_attention_backward.py", "-k", "gradients_are_close"),
+        ("tests/fp8/test_attention_backward.py", "-k", "gradients_are_close"),
     ),
     Fault(
         "chunked cross-entropy gradient 0.3% bias",
@@ -358,7 +358,7 @@ FAULTS = (
             ),
         ),
         "cross_entropy",
-        ("tests/test_losses.py",),
+        ("tests/model/test_losses.py",),
     ),
     # The same kinds of fault in a Pallas kernel alone, its reference left right.
     Fault(

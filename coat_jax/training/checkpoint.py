@@ -4,7 +4,7 @@ A checkpoint is one Orbax step directory ``<output_dir>/checkpoints/<step>/`` ho
 
 - ``state``: the pytree ``{"params", "opt_state"}``, with the optimizer state whole
   (COAT's float8_e4m3fn / float8_e5m2 codes are stored as float8 by tensorstore and come back
-  bit-exact; ``tests/test_train.py`` checks every one of the 256 codes of both formats);
+  bit-exact; ``tests/training/test_train.py`` checks every one of the 256 codes of both formats);
 - ``meta``: JSON with the step, the data position, the seed, a fingerprint of the run (model
   architecture, precision, optimizer and its structural options) and every state leaf's shape
   and dtype, and a checksum of each leaf's bits.

@@ -4,7 +4,7 @@ The keys, types and defaults come from the :class:`~coat_jax.training.config.Tra
 dataclasses at run time (``dataclasses.fields``), so the help never lists a key that does not
 exist nor misses one that does. Meanings come from a field's ``metadata["help"]`` where it has
 one, else from :data:`DESCRIPTIONS`; a key in neither says "(no description)", which
-``tests/test_cli.py`` refuses for every key of the shipped config.
+``tests/training/test_cli.py`` refuses for every key of the shipped config.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ class TrainConfig:
       collectives across devices are not covered. The model's attention then runs as XLA's
       (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by
       default. On a GPU two runs of a tiny COAT model with it repeat bit for bit
-      (``tests/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With cuDNN's
+      (``tests/training/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With cuDNN's
       attention the BF16 and COAT steps failed to compile under the XLA option (cause not
       located), hence XLA's attention; an error of the first step under this option is
       reported as one that names it. The CPU backend is deterministic without it. Why it

@@ -27,7 +27,7 @@ update cannot run here, and the trainer refuses it: global-norm clipping (``grad
 ``skip_nonfinite_steps``, ``grad_accum`` > 1 and the optimizer telemetry. The activation
 telemetry needs only the forward pass: :func:`make_train_step` takes it (``activations``), the
 layers' scales leaving the forward scan beside the residuals. Results equal the plain step's
-without clipping to float32 rounding (tests/test_layerwise.py).
+without clipping to float32 rounding (tests/training/test_layerwise.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,67 @@
+"""The compile-only memory plan (``train.py --plan``) on the CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from coat_jax.training import load_config
+from coat_jax.training import plan as plan_mod
+from tests.training.test_train import REPO, TINY
+
+
+def _cfg(*extra):
+    return load_config(
+        REPO / "configs" / "default.yaml", [*TINY, "compilation_cache_dir=null", *extra]
+    )
+
+
+def test_plan_reports_xla_memory_that_grows_with_the_batch():
+    rows, largest, limit = plan_mod.plan_memory(_cfg(), [2, 8])
+    assert limit is None and largest is None  # the CPU has no allocator limit
+    small, big = rows
+    assert (small.batch_size, big.batch_size) == (2, 8)
+    assert small.params == big.params > 0 and small.opt_state == big.opt_state > 0
+    assert big.activations > small.activations > 0
+    assert big.peak > small.peak >= small.params + small.opt_state
+    assert small.fits is None
+
+
+def test_largest_batch_search_against_a_device_limit(monkeypatch):
+    cfg = _cfg()
+    (r2, r8), _, _ = plan_mod.plan_memory(cfg, [2, 8], search=False)
+    # A limit between the two peaks: the largest fitting batch lies in [2, 8).
+    monkeypatch.setattr(plan_mod, "device_limit", lambda: (r2.peak + r8.peak) // 2)
+    rows, largest, limit = plan_mod.plan_memory(cfg, [2])
+    assert 2 <= largest < 8
+    by_batch = {r.batch_size: r for r in rows}
+    assert by_batch[largest].fits and by_batch[largest].peak <= limit
+    assert not by_batch[largest + 1].fits
+
+
+def test_train_py_plan_prints_a_table():
+    out = subprocess.run(
+        [sys.executable, "train.py", "--plan", "2", *TINY, "compilation_cache_dir=null"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memory plan" in out.stdout and "no memory limit" in out.stdout
+    # Off the GPU the table says first that it is not a GPU plan, and names no bare peak.
+    assert out.stdout.startswith("NOT A GPU PLAN: the cpu backend reports no memory limit")
+    header = next(line for line in out.stdout.splitlines() if line.lstrip().startswith("batch"))
+    assert "cpu peak" in header and "fits" not in header
+    bad = subprocess.run(
+        [sys.executable, "train.py", "--plan", "two"], cwd=REPO, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+@pytest.mark.parametrize("batch", [0, -1])
+def test_bad_batch_sizes_are_refused(batch):
+    with pytest.raises(ValueError, match="batch sizes must be positive"):
+        plan_mod.plan_memory(_cfg(), [batch])
