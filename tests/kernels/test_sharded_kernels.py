@@ -9,13 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.fake_devices import xla_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kernels_on_8_devices_equal_one_device():
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=xla_flags(8),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )

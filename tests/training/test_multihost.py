@@ -28,6 +28,7 @@ import pytest
 
 from coat_jax.runs import read_params
 from coat_jax.training import distributed
+from tests.fake_devices import xla_flags
 from tests.tiny_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +147,7 @@ def _start(
 ) -> subprocess.Popen:
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
         PYTHONPATH=str(ROOT),

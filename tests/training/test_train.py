@@ -27,6 +27,7 @@ import pytest
 
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
+from tests.fake_devices import xla_flags
 from tests.jaxprs import pallas_calls
 from tests.tiny_runs import tiny_run
 
@@ -680,8 +681,7 @@ EIGHT_DEVICES = textwrap.dedent(
 def test_eight_devices_match_one(tmp_path, cache_dir):
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-        "--xla_cpu_collective_call_terminate_timeout_seconds=120",
+        XLA_FLAGS=xla_flags(8, "--xla_cpu_collective_call_terminate_timeout_seconds=120"),
     )
     # The default optimizer, coat_adamw, with FP8 moments sharded like their parameters.
     args = {

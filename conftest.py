@@ -1,0 +1,43 @@
+"""Test-session settings that make the CPU suite compile less; loaded before any test module.
+
+Most of the suite's time on a CPU is XLA compiling small programs, many of them the same program
+compiled again by another test, another pytest-xdist worker or a ``train.py`` child process.
+
+- One persistent JAX compilation cache for the whole session (a temporary folder shared by the
+  workers and every child process through the environment), so a program compiled once is loaded
+  from disk after that. Tests that pass ``compilation_cache_dir=...`` to the trainer still get
+  their own.
+- XLA:CPU's backend at optimization level 0: the programs are tiny, so LLVM's optimizations cost
+  far more time than they save. The arithmetic is the same at every level (XLA:CPU keeps fast
+  math off), so every tolerance and bit-for-bit comparison holds. Not set where a GPU is present,
+  so GPU tests compile as users' programs do.
+
+``COAT_JAX_TEST_COMPILE=default`` turns both off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _fast_compile_settings() -> None:
+    if os.environ.get("COAT_JAX_TEST_COMPILE") == "default":
+        return
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="coat-jax-test-xla-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    has_gpu = shutil.which("nvidia-smi") is not None
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not has_gpu and CPU_TEST_XLA_FLAGS not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_TEST_XLA_FLAGS}".strip()
+
+
+_fast_compile_settings()
