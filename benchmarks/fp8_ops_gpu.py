@@ -47,7 +47,11 @@ def fwd_bwd(op):
 
 
 def main():
-    tests = ["tests/fp8/test_fp8_ops.py", "tests/kernels/test_pallas_act.py"]
+    tests = [
+        "tests/fp8/test_fp8_ops.py",
+        "tests/kernels/test_fp8_quant.py",
+        "tests/kernels/test_fp8_act.py",
+    ]
     env = dict(os.environ, CI="")
     rc = subprocess.call(
         [sys.executable, "-m", "pytest", *tests, "-q", "--tb=line", "-rf"], cwd=ROOT, env=env

@@ -19,7 +19,7 @@ import pytest
 
 GPU_FILES = (
     "tests/fp8/test_fp8_ops.py",
-    "tests/kernels/test_pallas_adam.py",
+    "tests/kernels/test_coat_adam.py",
     "tests/fp8/test_attention_backward.py",
     "tests/fp8/test_gemm_output.py",
 )

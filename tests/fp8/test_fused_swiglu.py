@@ -5,7 +5,7 @@ in FP8 for backward; the fused op keeps gate and up and recomputes the SiLU in b
 what the model then keeps (exactly one intermediate-size FP8 tensor and its scales less per
 layer), that its loss stays within 2% of BF16's and its gradients within 1.5x of COAT's
 distance from BF16's, and the trainer option.
-The op against its references is in tests/fp8/test_fp8_ops.py and tests/kernels/test_pallas_act.py.
+The op against its references is in tests/fp8/test_fp8_ops.py and tests/kernels/test_fp8_act.py.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The scale is rounded up to a power of two and stored as its biased exponent (OCP MX's E8M0), so
 the activations kept for backward need 1 byte per 16 values for their scales instead of 4. The
-kernels against their references are in tests/kernels/test_pallas_act.py (parametrized over both scale
-formats); here: the rounding itself, the error it costs, what the model then keeps for
+kernels against their references are in tests/kernels/test_fp8_quant.py and test_fp8_act.py
+(parametrized over both scale formats); here: the rounding itself, the error it costs, what the model then keeps for
 backward, and the trainer option.
 """
 
