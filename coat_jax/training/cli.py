@@ -115,7 +115,7 @@ DESCRIPTIONS = {
     "activation scales' range (docs/telemetry.md)",
     "sample_prompt": "prompt of the short sample printed at the end of a run (null: no sample)",
     "sample_tokens": "tokens the end-of-run sample generates",
-    "compilation_cache_dir": "JAX's persistent compilation cache (null: off)",
+    "compilation_cache_dir": "JAX's persistent compilation cache (null: JAX's own setting)",
     "deterministic": "compile with XLA's xla_gpu_deterministic_ops and XLA's attention, so "
     "that a single-GPU run repeats bit for bit (slower)",
     "xla_excess_precision": "XLA's xla_allow_excess_precision (false: bfloat16 "

@@ -154,7 +154,8 @@ class TrainConfig:
     - ``decay_norms_and_embeddings``: weight decay on every parameter instead of on matrices
       other than the embedding only.
     - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
-    - ``compilation_cache_dir``: JAX's persistent compilation cache, ``null`` for none.
+    - ``compilation_cache_dir``: JAX's persistent compilation cache; ``null`` sets none
+      (JAX's own ``JAX_COMPILATION_CACHE_DIR`` still applies).
     - ``deterministic``: compile the training step and the evaluation with XLA's
       ``xla_gpu_deterministic_ops`` (``coat_jax.training.program.compiler_options``), meant to make
       a single-GPU run repeat bit for bit: scatters (the embedding's gradient) and reductions

@@ -20,7 +20,7 @@ from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.layerwise import LayerwiseState
 from coat_jax.training.program import build_program
 from tests.fake_devices import run_on_fake_devices
-from tests.tiny_runs import pallas_interpret, tiny_run
+from tests.tiny_runs import compilation_cache, pallas_interpret, tiny_run
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "configs" / "default.yaml"
@@ -321,7 +321,7 @@ def test_what_needs_the_whole_gradient_is_refused(extra, message):
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("caches")
-    return [f"cache_dir={root}/tokens", f"compilation_cache_dir={root}/jax"]
+    return [f"cache_dir={root}/tokens", compilation_cache(f"{root}/jax")]
 
 
 def test_resume_is_bit_exact_and_other_checkpoints_are_refused(tmp_path, caches):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import signal
@@ -33,7 +34,7 @@ from coat_jax.training.checkpoint import CheckpointSaveError, _fmt_bytes, state_
 from coat_jax.training.errors import DivergedError
 from coat_jax.training.optimizers import skip_nonfinite
 from coat_jax.training.program import make_schedule
-from tests.tiny_runs import tiny_run
+from tests.tiny_runs import compilation_cache, tiny_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +60,7 @@ def caches(tmp_path_factory) -> dict:
         "overrides": [
             f"data_path={root / 'corpus.txt'}",
             f"cache_dir={root / 'tokens'}",
-            f"compilation_cache_dir={root / 'jax'}",
+            compilation_cache(root / "jax"),
         ],
     }
 
@@ -400,8 +401,10 @@ def test_sigterm_saves_within_a_step(tmp_path, caches):
 
 def test_sigterm_during_the_first_compilation_stops_at_once(tmp_path, caches):
     out = tmp_path / "run"
-    # No compilation cache: the first step compiles for seconds, and the signal comes in them.
-    proc = child("train.py", *mini_args(out, caches, LONG, "compilation_cache_dir=null"))
+    # No compilation cache (the trainer's nor the test session's): the first step compiles for
+    # seconds, and the signal comes in them.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    proc = child("train.py", *mini_args(out, caches, LONG, "compilation_cache_dir=null"), env=env)
     try:
         for line in proc.stdout:
             if "compiling the train step" in line:

@@ -29,7 +29,7 @@ from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
 from tests.fake_devices import xla_flags
 from tests.jaxprs import pallas_calls
-from tests.tiny_runs import tiny_run
+from tests.tiny_runs import compilation_cache, tiny_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def cache_dir(tmp_path_factory):
 
 
 def cache_overrides(cache_dir) -> list[str]:
-    return [f"cache_dir={cache_dir}/tokens", f"compilation_cache_dir={cache_dir}/jax"]
+    return [f"cache_dir={cache_dir}/tokens", compilation_cache(f"{cache_dir}/jax")]
 
 
 def tiny(out, cache_dir, *extra):

@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import sys
 
+from tests.tiny_runs import compilation_cache
 from tests.training.test_train import REPO
 
 QUICKSTART = REPO / "docs" / "quickstart.md"
@@ -43,7 +44,7 @@ def test_quickstart_commands_run(tmp_path):
         argv[0] = sys.executable
         if argv[1] == "train.py":
             argv += SHORT_RUN
-            argv += [f"cache_dir={tmp_path}/tokens", f"compilation_cache_dir={tmp_path}/jax"]
+            argv += [f"cache_dir={tmp_path}/tokens", compilation_cache(f"{tmp_path}/jax")]
         proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         outputs.append(proc.stdout)
