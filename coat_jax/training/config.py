@@ -472,10 +472,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
     """Validates a (possibly nested) mapping against :class:`TrainConfig` and builds it; keys
     it leaves out take the values of its ``recipe`` (:mod:`coat_jax.recipes`), then defaults."""
-    recipe = (
-        recipes.settings(raw.get("recipe", recipes.DEFAULT)) if isinstance(raw, Mapping) else {}
-    )
-    return _build(TrainConfig, {**recipe, **raw}, prefix="")
+    if not isinstance(raw, Mapping):
+        return _build(TrainConfig, raw, prefix="")
+    name = raw.get("recipe", recipes.DEFAULT)
+    taken = {k: v for k, v in recipes.settings(name).items() if k not in raw}
+    try:
+        return _build(TrainConfig, {**taken, **raw}, prefix="")
+    except ValueError as e:
+        if not taken or name == recipes.DEFAULT:
+            raise
+        raise ValueError(f"{e} (recipe {name} sets {', '.join(taken)})") from None
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -59,6 +59,11 @@ def test_explicit_keys_override_a_recipe_and_print_config_names_each_source(tmp_
     printed = annotated_config(cfg, sources)
     assert yaml.safe_load(printed) == to_dict(cfg)
     assert "fp8_swiglu: coat" in printed and "# recipe coat_max_batch" in printed
+    # A key that contradicts the recipe is refused in one line that names what the recipe set.
+    with pytest.raises(
+        ValueError, match=r"grad_accum=1 .*\(recipe coat_max_batch sets .*optimizer_in"
+    ):
+        load_config(DEFAULT, ["recipe=coat_max_batch", "grad_accum=2"])
 
 
 def test_help_lines_fit_100_columns_and_list_the_recipes():
