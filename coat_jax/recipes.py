@@ -30,9 +30,9 @@ def bf16() -> dict[str, Any]:
     """The BF16 baseline: BF16 activations and linears, optax's AdamW with float32 moments.
 
     What every other recipe is measured against (docs/bench_e2e.md,
-    docs/bench_largest_batch_split.md, docs/accuracy.md). The most memory of all recipes: at
-    Llama-2-7B on one H200 its largest batch is the smallest. Its fastest layout there is
-    unrolled layers without remat, which is what ``scan_layers`` and ``remat`` default to.
+    docs/bench_largest_batch_split.md, docs/accuracy.md): float32 master weights and 8 bytes of
+    optimizer state per parameter, BF16 activations kept for backward. Its fastest measured
+    layout is unrolled layers without remat, which ``scan_layers`` and ``remat`` default to.
     """
     return {"precision": "bf16", "optimizer": "adamw"}
 
@@ -51,9 +51,9 @@ def coat() -> dict[str, Any]:
     """COAT, the paper's recipe and the default: FP8 activations and FP8 optimizer states.
 
     FP8 linears, the activations kept for backward in FP8 with 1x16 group scales, and
-    ``coat_adamw``'s FP8 moments with dynamic-range expansion. Trades: a little speed at small
-    batches (the quantization passes) for about half BF16's memory, which buys larger batches
-    and, there, more tokens/s. Accuracy: docs/accuracy.md (mode ``coat``); memory and speed:
+    ``coat_adamw``'s FP8 moments with dynamic-range expansion. Trades: speed at small batches
+    (the quantization passes) for about half BF16's parameter and optimizer-state memory and
+    smaller activations, which buy larger batches and, there, more tokens/s. Accuracy: docs/accuracy.md (mode ``coat``); memory and speed:
     docs/bench_e2e.md, docs/bench_e2e_once.md.
     """
     return {"precision": "coat", "optimizer": "coat_adamw"}

@@ -490,7 +490,7 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 # Keys and values the trainer no longer takes, with what replaced them: a config naming one is
-# refused with this line, not with the list of valid keys.
+# refused with this line, not with the close matches of an unknown key.
 REMOVED_KEYS = {
     "fp8_codes_barrier": "fp8_codes_barrier was removed: the optimization barrier on the FP8 "
     "codes kept for backward is always on (off was slower, docs/bench_codes_barrier.md); "
