@@ -53,8 +53,9 @@ def coat() -> dict[str, Any]:
     FP8 linears, the activations kept for backward in FP8 with 1x16 group scales, and
     ``coat_adamw``'s FP8 moments with dynamic-range expansion. Trades: speed at small batches
     (the quantization passes) for about half BF16's parameter and optimizer-state memory and
-    smaller activations, which buy larger batches and, there, more tokens/s. Accuracy: docs/accuracy.md (mode ``coat``); memory and speed:
-    docs/bench_e2e.md, docs/bench_e2e_once.md.
+    smaller activations, which buy larger batches and, there, more tokens/s. Accuracy:
+    docs/accuracy.md (mode ``coat``); memory and speed: docs/bench_e2e.md,
+    docs/bench_e2e_once.md.
     """
     return {"precision": "coat", "optimizer": "coat_adamw"}
 

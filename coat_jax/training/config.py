@@ -152,8 +152,8 @@ class TrainConfig:
       ``batch_size * grad_accum * seq_len`` tokens. ``auto``: the largest that fits the device,
       by compile-only planning (``coat_jax.training.plan.resolve_batch``), with ``grad_accum``
       set to ``global_batch_size / batch_size`` where ``global_batch_size`` is set.
-    - ``wandb_project``, ``wandb_mode``, ``profile_steps``: ``coat_jax.training.metrics.WandbWriter``
-      and ``coat_jax.training.loop.StepTrace``.
+    - ``wandb_project``, ``wandb_mode``, ``profile_steps``:
+      ``coat_jax.training.metrics.WandbWriter`` and ``coat_jax.training.loop.StepTrace``.
     - ``min_lr_ratio``: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
     - ``grad_clip``: global-norm clipping threshold, ``null`` for none.
     - ``skip_nonfinite_steps``: a step whose gradient is not finite leaves the parameters and

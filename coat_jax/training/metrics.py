@@ -1,4 +1,5 @@
-"""metrics.jsonl and the writers that mirror it (TensorBoard, Weights & Biases), memory\nreadings and the loss-curve plot."""
+"""metrics.jsonl and the writers that mirror it (TensorBoard, Weights & Biases), memory
+readings and the loss-curve plot."""
 
 from __future__ import annotations
 
