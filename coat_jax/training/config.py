@@ -61,6 +61,8 @@ class TrainConfig:
 
     - ``recipe``: a name of ``coat_jax.recipes.RECIPES``, whose settings replace the defaults
       of the keys it names; a key set in a config file or on the command line wins.
+      :func:`load_config` and :func:`from_dict` apply it (``from_dict({"recipe": "bf16"})``);
+      a ``TrainConfig(...)`` built by hand takes the values it is given.
     - ``resume``: continue from the newest checkpoint in ``output_dir``. Without it a run
       refuses an ``output_dir`` that already holds another run's checkpoints or metrics
       (``overwrite: true`` deletes them and starts anew). A resume keeps the learning-rate
@@ -448,7 +450,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
       The validated config.
 
     Raises:
-      ValueError: unknown key (the message lists the valid ones), bad value, or a base cycle.
+      ValueError: unknown key (the message names close matches), bad value, or a base cycle.
     """
     raw: dict[str, Any] = {} if path is None else read_config_file(path)
     for item in overrides:
