@@ -160,6 +160,11 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
         if total is None:
             return cfg
         return dataclasses.replace(cfg, grad_accum=_accum_for(cfg, cfg.batch_size))
+    if total is not None and cfg.grad_accum != 1:
+        raise ValueError(
+            f"batch_size=auto with global_batch_size={total} sets grad_accum itself; leave "
+            f"grad_accum at 1 (got {cfg.grad_accum})"
+        )
     limit = device_limit() if limit is None else limit
     if limit is None:
         raise ValueError(

@@ -161,6 +161,8 @@ def test_batch_size_auto_keeps_global_batch_size_by_accumulation(monkeypatch):
     assert all(12 % b == 0 and b * a == 12 for b, a in compiled)
     fixed = plan.resolve_batch(load_config(DEFAULT, [*TINY, "global_batch_size=8"]))
     assert (fixed.batch_size, fixed.grad_accum) == (2, 4)
+    with pytest.raises(ValueError, match="sets grad_accum itself; leave grad_accum at 1"):
+        plan.resolve_batch(dataclasses.replace(cfg, grad_accum=2), limit=450)
     with pytest.raises(ValueError, match="global_batch_size=7 must be batch_size=2 times"):
         plan.resolve_batch(load_config(DEFAULT, [*TINY, "global_batch_size=7"]))
 
