@@ -4,6 +4,7 @@
   python train.py --config configs/smollm2_135m_finetune.yaml steps=200 output_dir=runs/smol
   python train.py output_dir=runs/default resume=true    # continue from the latest checkpoint
   python train.py steps=50 --print-config                # show the resolved config, run nothing
+  python train.py --config configs/llama2_7b.yaml recipe=coat_max_batch batch_size=auto
 
 Every key below can be set in the YAML file or as key=value (section.key=value for model.* and
 mesh.*). Ctrl-C or SIGTERM saves a checkpoint and stops. An error is one line on stderr (and in
@@ -19,22 +20,21 @@ import sys
 import threading
 from pathlib import Path
 
-import yaml
-
 from coat_jax.training import load_config, train
-from coat_jax.training.cli import config_help
-from coat_jax.training.config import to_dict
+from coat_jax.training.cli import HELP_WIDTH, annotated_config, config_help, config_sources
 from coat_jax.training.distributed import maybe_initialize
 from coat_jax.training.errors import error_line, exit_code
-from coat_jax.training.plan import format_plan, plan_memory
+from coat_jax.training.plan import format_plan, plan_memory, resolve_batch
 from coat_jax.training.run import FIRST_STEP_THREAD
+
+MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
         epilog=config_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=HELP_WIDTH),
     )
     parser.add_argument(
         "--config",
@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved config as YAML and exit without training",
+        help="print the resolved config as YAML, each value with its source (default, recipe, "
+        "file, command line), and exit without training",
     )
     parser.add_argument(
         "--plan",
@@ -57,13 +58,18 @@ def main(argv=None) -> int:
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
+    if not any(os.environ.get(k) for k in ("XLA_CLIENT_MEM_FRACTION", MEMORY_FRACTION_ENV)):
+        # JAX's allocator takes 75% of a GPU unless told; the shipped configs' batches
+        # (docs/recipes.md) were measured with 95%, as every benchmark runs
+        # (benchmarks/_common.py). Read when the first device is used, after this.
+        os.environ[MEMORY_FRACTION_ENV] = "0.95"
     try:
         cfg = load_config(args.config, args.overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(annotated_config(cfg, config_sources(cfg, args.config, args.overrides)))
         return 0
     try:
         # Before JAX uses a device: under a multi-process launcher (COAT_JAX_COORDINATOR, srun,
@@ -98,6 +104,7 @@ def _plan(cfg, text: str) -> int:
         )
         return 2
     try:
+        cfg = resolve_batch(cfg)
         rows, largest, limit = plan_memory(cfg, batches)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,7 +10,17 @@ way (docs/design.md, 'Layers'): ``pallas_kernels`` (codecs and kernels) imports 
 
 from __future__ import annotations
 
-from coat_jax import checkpoint_io, fp8_ops, generate, llama, memory, optim, quant, tokenizer
+from coat_jax import (
+    checkpoint_io,
+    fp8_ops,
+    generate,
+    llama,
+    memory,
+    optim,
+    quant,
+    recipes,
+    tokenizer,
+)
 from coat_jax.checkpoint_io import from_pretrained, save_pretrained
 from coat_jax.fp8_ops import (
     FP8Config,
@@ -116,6 +126,7 @@ __all__ = [
     "llama",
     "checkpoint_io",
     "tokenizer",
+    "recipes",
 ]
 
 

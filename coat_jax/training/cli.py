@@ -10,19 +10,28 @@ one, else from :data:`DESCRIPTIONS`; a key in neither says "(no description)", w
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import types
 import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from coat_jax.training.config import TrainConfig
+from coat_jax import recipes
+from coat_jax.training.config import TrainConfig, to_dict
+from coat_jax.training.config_values import read_config_file
 
 NO_DESCRIPTION = "(no description)"
+# Columns of `train.py --help`.
+HELP_WIDTH = 100
 
 # One line per key, by its dotted name.
 DESCRIPTIONS = {
     # Run.
+    "recipe": "named settings the config starts from (coat_jax.recipes; listed below); keys set "
+    "in a file or on the command line win",
     "steps": "optimizer steps of the whole run (a resumed run stops at the same total)",
     "output_dir": "where checkpoints, metrics.jsonl, config.yaml and loss_curve.png go",
     "resume": "continue from the newest checkpoint in output_dir (else such a dir is refused)",
@@ -77,8 +86,11 @@ DESCRIPTIONS = {
     "val_documents": "comma-separated document names held out whole for validation (the "
     "split by document; val_fraction is then unused); null: val_fraction of each document",
     "seq_len": "tokens per training sequence",
-    "batch_size": "sequences per microbatch, across all devices",
+    "batch_size": "sequences per microbatch, across all devices; auto: the largest that fits "
+    "the device, planned by compiling the step (GPU; not on a backend without a memory limit)",
     "grad_accum": "microbatches averaged into one optimizer step",
+    "global_batch_size": "sequences per optimizer step, kept by setting grad_accum to "
+    "global_batch_size / batch_size (null: batch_size * grad_accum)",
     # Optimizer.
     "optimizer": "coat_adamw: COAT's FP8 AdamW; the others are optax's",
     "fp8_state": "keep an optax optimizer's parameter-shaped state in FP8 (coat_jax.fp8_state)",
@@ -107,6 +119,12 @@ DESCRIPTIONS = {
     "(0: stop at the first)",
     "progress_bar": "show a tqdm progress bar (false: plain log lines)",
     "tensorboard": "write metrics.jsonl's records to <output_dir>/tensorboard too (needs tensorboardX)",
+    "wandb_project": "also log metrics.jsonl's records to this Weights & Biases project (pip "
+    "install 'coat-jax[wandb]'; null: off)",
+    "wandb_mode": "online: sync to the W&B server as the run goes; offline: write the run "
+    "under <output_dir>/wandb only (wandb sync uploads it later)",
+    "profile_steps": "[first, last]: trace these steps (1-based, inclusive) with jax.profiler "
+    "into <output_dir>/profile (null: off)",
     "fused_apply": "coat_adamw's kernel applies the update in its own pass (false: optax's "
     "update, then apply_updates)",
     "optimizer_in_backward": "update each layer inside the backward pass: never holds the whole "
@@ -147,6 +165,8 @@ def type_name(hint) -> str:
         return f"{name} or null" if len(args) < len(typing.get_args(hint)) else name
     if dataclasses.is_dataclass(hint):
         return "mapping"
+    if origin is tuple:
+        return f"[{', '.join(type_name(a) for a in typing.get_args(hint))}]"
     return getattr(hint, "__name__", str(hint))
 
 
@@ -183,11 +203,68 @@ def _yaml_value(value) -> str:
     )
 
 
-def config_help() -> str:
-    """The `train.py --help` table of config keys: name, type, default, meaning."""
+def config_help(width: int = HELP_WIDTH) -> str:
+    """The `train.py --help` table of config keys (name, type, default, meaning) and recipes,
+    wrapped to ``width`` columns."""
     docs = config_keys()
-    width = max(len(d.name) for d in docs)
+    column = max(len(d.name) for d in docs) + 4
     lines = ["config keys (set in the YAML file or as key=value; type, default: meaning):"]
     for d in docs:
-        lines.append(f"  {d.name:<{width}}  {d.type}, {_yaml_value(d.default)}: {d.meaning}")
+        text = f"  {d.name:<{column - 4}}  {d.type}, {_yaml_value(d.default)}: {d.meaning}"
+        lines += textwrap.wrap(text, width, subsequent_indent=" " * column)
+    lines += ["", "recipes (recipe=NAME; docs/recipes.md has their measurements):"]
+    column = max(len(name) for name in recipes.RECIPES) + 4
+    for name in recipes.RECIPES:
+        text = f"  {name:<{column - 4}}  {recipes.summary(name)}"
+        lines += textwrap.wrap(text, width, subsequent_indent=" " * column)
+    return "\n".join(lines)
+
+
+def config_sources(cfg: TrainConfig, path, overrides: Sequence[str]) -> dict[str, str]:
+    """Where each resolved key of ``cfg`` came from: ``command line``, ``file PATH``,
+    ``recipe NAME`` or ``default`` (the first that sets it, in that order; a key of a file's
+    ``base:`` chain counts as the file's)."""
+    leaves = [d.name for d in config_keys()]
+    in_file = set() if path is None else set(_leaf_names(read_config_file(path), set(leaves)))
+    given = [item.partition("=")[0].strip() for item in overrides]
+    in_recipe = set(recipes.settings(cfg.recipe))
+    if path is not None and Path(path).resolve().is_relative_to(Path.cwd()):
+        path = Path(path).resolve().relative_to(Path.cwd())
+    sources = {}
+    for name in leaves:
+        if any(k == name or k.startswith(name + ".") or name.startswith(k + ".") for k in given):
+            sources[name] = "command line"
+        elif name in in_file:
+            sources[name] = f"file {path}"
+        elif name in in_recipe:
+            sources[name] = f"recipe {cfg.recipe}"
+        else:
+            sources[name] = "default"
+    return sources
+
+
+def _leaf_names(raw: Mapping, leaves: set[str], prefix: str = ""):
+    for key, value in raw.items():
+        name = prefix + str(key)
+        if name not in leaves and isinstance(value, Mapping):
+            yield from _leaf_names(value, leaves, name + ".")
+        else:
+            yield name
+
+
+def annotated_config(cfg: TrainConfig, sources: Mapping[str, str]) -> str:
+    """The resolved config as YAML, each value followed by a comment naming its source."""
+    lines = []
+
+    def emit(mapping: Mapping, prefix: str, indent: str) -> None:
+        for key, value in mapping.items():
+            name = prefix + key
+            if name in sources:
+                text = f"{indent}{key}: {_yaml_value(value)}"
+                lines.append(f"{text:<44}  # {sources[name]}")
+            else:
+                lines.append(f"{indent}{key}:")
+                emit(value, name + ".", indent + "  ")
+
+    emit(to_dict(cfg), "", "")
     return "\n".join(lines)

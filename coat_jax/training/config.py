@@ -3,14 +3,15 @@
 A config file is YAML whose keys mirror :class:`TrainConfig`; ``model:`` and ``mesh:`` are nested
 sections. ``base: other.yaml`` (relative to the file) is loaded first and then updated key by key.
 Command-line overrides are ``key=value`` or ``section.key=value``; values are parsed as YAML
-scalars (``steps=100``, ``init_from=null``, ``resume=true``). Every value is checked against the
-field's type, and an unknown key is rejected with the list of valid ones.
+scalars (``steps=100``, ``init_from=null``, ``resume=true``). ``recipe: NAME``
+(:mod:`coat_jax.recipes`) gives the keys that neither the files nor the overrides set. Every
+value is checked against the field's type, and an unknown key is rejected with its close matches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
+import difflib
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Any, Literal
 
 import yaml
 
+from coat_jax import recipes
 from coat_jax.llama import REMAT_POLICIES, LlamaConfig
+from coat_jax.training.config_values import coerce, read_config_file, set_dotted
 from coat_jax.training.data import split_names
 from coat_jax.training.op_kernels import op_kernels_as_mapping, op_kernels_text, parse_op_kernels
 
@@ -56,6 +59,10 @@ class TrainConfig:
 
     Keys whose meaning is not obvious from the name:
 
+    - ``recipe``: a name of ``coat_jax.recipes.RECIPES``, whose settings replace the defaults
+      of the keys it names; a key set in a config file or on the command line wins.
+      :func:`load_config` and :func:`from_dict` apply it (``from_dict({"recipe": "bf16"})``);
+      a ``TrainConfig(...)`` built by hand takes the values it is given.
     - ``resume``: continue from the newest checkpoint in ``output_dir``. Without it a run
       refuses an ``output_dir`` that already holds another run's checkpoints or metrics
       (``overwrite: true`` deletes them and starts anew). A resume keeps the learning-rate
@@ -144,7 +151,11 @@ class TrainConfig:
       ``[batch, seq, vocab]`` float32 logits; ``null``: the plain loss.
     - ``batch_size``: sequences per microbatch across all devices; a step averages the
       gradients of ``grad_accum`` microbatches, so it sees
-      ``batch_size * grad_accum * seq_len`` tokens.
+      ``batch_size * grad_accum * seq_len`` tokens. ``auto``: the largest that fits the device,
+      by compile-only planning (``coat_jax.training.plan.resolve_batch``), with ``grad_accum``
+      set to ``global_batch_size / batch_size`` where ``global_batch_size`` is set.
+    - ``wandb_project``, ``wandb_mode``, ``profile_steps``:
+      ``coat_jax.training.metrics.WandbWriter`` and ``coat_jax.training.loop.StepTrace``.
     - ``min_lr_ratio``: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
     - ``grad_clip``: global-norm clipping threshold, ``null`` for none.
     - ``skip_nonfinite_steps``: a step whose gradient is not finite leaves the parameters and
@@ -182,6 +193,7 @@ class TrainConfig:
     """
 
     # Run.
+    recipe: Literal[tuple(recipes.RECIPES)] = recipes.DEFAULT
     steps: int = 600
     output_dir: str = "runs/default"
     resume: bool = False
@@ -215,8 +227,9 @@ class TrainConfig:
     val_fraction: float = 0.005
     val_documents: str | None = None
     seq_len: int = 128
-    batch_size: int = 16
+    batch_size: int | Literal["auto"] = 16
     grad_accum: int = 1
+    global_batch_size: int | None = None
     # Optimizer.
     # adamw, lion, sgd, adafactor, muon: optax's (coat_jax.training.optimizers documents how
     # each uses the keys below); coat_adamw: COAT's fused FP8 AdamW. fp8_state: store the optax
@@ -247,6 +260,9 @@ class TrainConfig:
     skip_nonfinite_steps: int = 0
     progress_bar: bool = True
     tensorboard: bool = False
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"
+    profile_steps: tuple[int, int] | None = None
     telemetry: bool = False
     sample_prompt: str | None = "It is a truth"
     sample_tokens: int = 64
@@ -279,9 +295,20 @@ class TrainConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 <= self.warmup_steps < self.steps:
+        # A warmup as long as the run shrinks (coat_jax.training.program.warmup_of).
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
             raise ValueError(
-                f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}"
+                f"global_batch_size must be positive or null, got {self.global_batch_size}"
+            )
+        if (
+            self.profile_steps is not None
+            and not 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            raise ValueError(
+                f"profile_steps must be [first, last] with 1 <= first <= last, got "
+                f"{list(self.profile_steps)}"
             )
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip must be > 0 or null (off), got {self.grad_clip}")
@@ -381,6 +408,8 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
+        if self.batch_size == "auto":
+            raise ValueError("batch_size=auto is resolved by coat_jax.training.plan.resolve_batch")
         return self.batch_size * self.grad_accum * self.seq_len
 
 
@@ -407,7 +436,7 @@ def _check_in_backward(cfg: TrainConfig) -> None:
 def _check_positive(cfg, *names):
     for name in names:
         value = getattr(cfg, name)
-        if value <= 0:
+        if value != "auto" and value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
@@ -422,9 +451,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
       The validated config.
 
     Raises:
-      ValueError: unknown key (the message lists the valid ones), bad value, or a base cycle.
+      ValueError: unknown key (the message names close matches), bad value, or a base cycle.
     """
-    raw: dict[str, Any] = {} if path is None else _load_yaml_with_bases(Path(path), ())
+    raw: dict[str, Any] = {} if path is None else read_config_file(path)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -439,72 +468,32 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         key = key.strip()
         if key.startswith("fp8_op_kernels."):
             op_kernels_as_mapping(raw)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return from_dict(raw)
 
 
 def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
-    """Validates a (possibly nested) mapping against :class:`TrainConfig` and builds it."""
-    return _build(TrainConfig, raw, prefix="")
+    """Validates a (possibly nested) mapping against :class:`TrainConfig` and builds it; keys
+    it leaves out take the values of its ``recipe`` (:mod:`coat_jax.recipes`), then defaults."""
+    if not isinstance(raw, Mapping):
+        return _build(TrainConfig, raw, prefix="")
+    name = raw.get("recipe", recipes.DEFAULT)
+    taken = {k: v for k, v in recipes.settings(name).items() if k not in raw}
+    try:
+        return _build(TrainConfig, {**taken, **raw}, prefix="")
+    except ValueError as e:
+        if not taken or name == recipes.DEFAULT:
+            raise
+        raise ValueError(f"{e} (recipe {name} sets {', '.join(taken)})") from None
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def _load_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    path = path.expanduser().resolve()
-    if path in seen:
-        chain = " -> ".join(str(p) for p in (*seen, path))
-        raise ValueError(f"config base cycle: {chain}")
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-            problem = getattr(e, "problem", None) or type(e).__name__
-            raise ValueError(
-                f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the syntax "
-                "there (python train.py --help lists the keys)"
-            ) from None
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}"
-        )
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    merged = _load_yaml_with_bases(path.parent / base, (*seen, path))
-    if isinstance(data.get("fp8_op_kernels"), Mapping):
-        op_kernels_as_mapping(merged)
-    _deep_update(merged, data)
-    return merged
-
-
-def _deep_update(dst: dict, src: Mapping) -> None:
-    for key, value in src.items():
-        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
-            _deep_update(dst[key], value)
-        else:
-            dst[key] = value
-
-
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = raw
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"override {key!r}: {part!r} is not a section")
-        node = child
-    node[leaf] = value
+    """The config as plain YAML-safe values (lists, not tuples)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
 # Keys and values the trainer no longer takes, with what replaced them: a config naming one is
-# refused with this line, not with the list of valid keys.
+# refused with this line, not with the close matches of an unknown key.
 REMOVED_KEYS = {
     "fp8_codes_barrier": "fp8_codes_barrier was removed: the optimization barrier on the FP8 "
     "codes kept for backward is always on (off was slower, docs/bench_codes_barrier.md); "
@@ -534,9 +523,13 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
                 raise ValueError(removed)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        valid = ", ".join(prefix + name for name in fields)
+        close = {k: difflib.get_close_matches(str(k), fields, n=3) for k in unknown}
+        hints = [
+            f"did you mean {' or '.join(prefix + c for c in close[k])}?" for k in close if close[k]
+        ]
         raise ValueError(
-            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; valid keys: {valid}"
+            f"unknown config key(s) {', '.join(prefix + str(k) for k in unknown)}; "
+            f"{' '.join(hints) + ' ' if hints else ''}python train.py --help lists every key"
         )
     kwargs = dict(DEFAULT_MODEL) if cls is LlamaConfig else {}
     for name, value in raw.items():
@@ -546,47 +539,10 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
         elif cls is TrainConfig and name == "fp8_op_kernels" and isinstance(value, Mapping):
             kwargs[name] = op_kernels_text(value)
         else:
-            kwargs[name] = _coerce(prefix + name, hint, value)
+            kwargs[name] = coerce(prefix + name, hint, value)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
         if cls is TrainConfig:
             raise
         raise ValueError(f"{prefix.rstrip('.')}: {e}") from e
-
-
-def _coerce(key: str, hint, value):
-    """Checks ``value`` against a field type; ints are accepted where floats are expected."""
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ValueError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(key, inner, value)
-    if dataclasses.is_dataclass(hint):
-        # An optional nested setting such as model.rope_scaling: a mapping the dataclass's owner
-        # converts and validates (LlamaConfig reads Hugging Face's rope_scaling dict).
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{key}={value!r} is not valid; expected a mapping or null")
-        return dict(value)
-    if hint is float and isinstance(value, str):
-        # PyYAML reads "1e-3" (no dot) as a string: YAML 1.1 wants "1.0e-3". Accept both.
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, int | float) and not isinstance(value, bool),
-        str: isinstance(value, str),
-    }[hint]
-    if not ok:
-        raise ValueError(f"{key}={value!r} is not valid; expected {hint.__name__}")
-    return float(value) if hint is float else value

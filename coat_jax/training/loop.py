@@ -24,8 +24,10 @@ from coat_jax.training.checkpoint import Checkpointer, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
 from coat_jax.training.data import PackedWindows, validation_batches
 from coat_jax.training.errors import error_line, exit_code
-from coat_jax.training.metrics import MetricsLog, plot_loss_curve
+from coat_jax.training.metrics import MetricsLog, WandbWriter, plot_loss_curve
 from coat_jax.training.model import COMPUTE_DTYPES
+from coat_jax.training.plan import resolve_batch
+from coat_jax.training.program import warmup_of
 from coat_jax.training.progress import Progress
 from coat_jax.training.run import GracefulStop, RunState, first_step_of, setup_run
 from coat_jax.training.rundir import RunDirectory
@@ -85,6 +87,8 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, say=print) -> TrainRe
         jax.config.update(
             "jax_compilation_cache_dir", str(Path(cfg.compilation_cache_dir).expanduser())
         )
+    # batch_size=auto is planned by compiling (never running) candidate steps.
+    cfg = resolve_batch(cfg, say=say)
     out = Path(cfg.output_dir).expanduser()
     with RunDirectory(distributed.process_dir(out)) as run_dir:
         say = _Say(say if distributed.is_main_process() else distributed.quiet, run_dir.log)
@@ -137,6 +141,12 @@ class _Say:
 def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainResult:
     """Steps from ``run.step`` to ``cfg.steps`` (or ``stop_at``), logging, evaluating, saving."""
     program, mesh = run.program, run.program.mesh
+    warmup = warmup_of(program.cfg)
+    if warmup != program.cfg.warmup_steps:
+        say(
+            f"note: warmup_steps={program.cfg.warmup_steps} is not below steps="
+            f"{program.cfg.steps}: the warmup shrinks to {warmup} steps (a tenth of the run)"
+        )
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(program.abstract_params))
     say(
         f"Llama {num_params / 1e6:.2f}M params, precision={cfg.precision}, "
@@ -144,11 +154,22 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
         f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}, "
         f"{cfg.tokens_per_step} tokens/step, {run.order.windows.num_windows} training windows"
     )
-    log = (MetricsLog if distributed.is_main_process() else distributed.NoLog)(
-        out / "metrics.jsonl",
-        resume_step=run.step if cfg.resume else None,
-        tensorboard_dir=out / "tensorboard" if cfg.tensorboard else None,
-    )
+    if distributed.is_main_process():
+        wandb = cfg.wandb_project and WandbWriter(
+            out,
+            project=cfg.wandb_project,
+            mode=cfg.wandb_mode,
+            config=to_dict(cfg),
+            resume=cfg.resume,
+        )
+        log = MetricsLog(
+            out / "metrics.jsonl",
+            resume_step=run.step if cfg.resume else None,
+            tensorboard_dir=out / "tensorboard" if cfg.tensorboard else None,
+            writers=[wandb] if wandb else [],
+        )
+    else:
+        log = distributed.NoLog()
     try:
         return _steps(run, cfg, out, stop_at, say, log)
     finally:
@@ -157,6 +178,42 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
 
 # The thread that compiles and dispatches the first step (see _first_step); train.py exits
 # with os._exit while it is still alive.
+
+
+class StepTrace:
+    """A ``jax.profiler`` trace of the steps ``[first, last]`` (``profile_steps``, 1-based,
+    inclusive) into ``directory``; TensorBoard's profile plugin and Perfetto read it. A no-op
+    for ``steps=None``. The trace stops once its last step has finished on the device, so it
+    holds the steps' device work and not only their dispatch."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path, say):
+        self.first, self.last = steps or (0, -1)
+        self.directory, self.say = directory, say
+        self.active, self.traced = False, 0
+
+    def before(self, step: int) -> None:
+        if self.first <= step <= self.last and not self.active:
+            jax.profiler.start_trace(os.fspath(self.directory))
+            self.active, self.first = True, step
+
+    def after(self, step: int, progress: Progress) -> None:
+        if self.active:
+            self.traced = step
+            if step >= self.last:
+                progress.finish()
+                self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active, self.last = False, -1
+            self.say(f"profile of steps {self.first} to {self.traced} written to {self.directory}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> TrainResult:
@@ -230,13 +287,15 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
         say(f"step 0: validation loss {val_loss:.4f} (before training)")
     # Several processes stop together: a signal becomes a decision of all at a step boundary.
     agreement = distributed.StopAgreement(say)
-    with GracefulStop(say, lambda: progress.finished) as stop:
+    trace = StepTrace(cfg.profile_steps, out / "profile", say)
+    with GracefulStop(say, lambda: progress.finished) as stop, trace:
         if step < last_step:
             # Until the first step is dispatched (_first_step). Several processes compile it
             # to the end: one that abandoned it would leave the others in its collectives.
             stop.compiling = not agreement.several
             say(f"step {step + 1}: compiling the train step")
         while step < last_step and agreement.stop(stop.signum) is None:
+            trace.before(step + 1)
             batch = run.order.take(position, sequences_per_step)
             batch = batch.reshape(cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1)
             args = (params, opt_state, sharding.put_batch(batch, program.batch_sharding))
@@ -255,6 +314,7 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             # signal then waits for one step, and the bar counts finished steps.
             progress.dispatched(step, metrics)
             progress.finish(keep=1)
+            trace.after(step, progress)
             evaluate_now = step % cfg.eval_every == 0 and step < cfg.steps
             save_now = step % cfg.checkpoint_every == 0
             if evaluate_now or save_now:

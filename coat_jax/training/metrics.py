@@ -1,4 +1,5 @@
-"""metrics.jsonl, memory readings and the loss-curve plot."""
+"""metrics.jsonl and the writers that mirror it (TensorBoard, Weights & Biases), memory
+readings and the loss-curve plot."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 import os
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import jax
 
@@ -25,13 +28,92 @@ def host_peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+class MetricWriter(Protocol):
+    """Where metrics.jsonl's records also go: each numeric value of a record becomes a scalar
+    of the same name at the record's ``step``."""
+
+    def write(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of a record other than its ``step`` (None, booleans and text left out)."""
+    return {
+        k: v
+        for k, v in record.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class TensorBoardWriter:
+    """TensorBoard events through ``tensorboardX`` (``pip install 'coat-jax[tensorboard]'``);
+    on resume, events after ``resume_step`` are purged."""
+
+    def __init__(self, directory: str | os.PathLike, *, resume_step: int | None):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:
+            raise ValueError(
+                f"TensorBoard logging to {str(directory)!r} needs tensorboardX; "
+                "pip install 'coat-jax[tensorboard]' or turn TensorBoard logging off"
+            ) from e
+        purge = None if resume_step is None else resume_step + 1
+        self._writer = SummaryWriter(os.fspath(Path(directory).expanduser()), purge_step=purge)
+
+    def write(self, record: dict) -> None:
+        for key, value in scalars(record).items():
+            self._writer.add_scalar(key, value, global_step=record["step"])
+        # A run killed between records still shows everything it logged.
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbWriter:
+    """A Weights & Biases run (``pip install 'coat-jax[wandb]'``) in ``directory``/wandb.
+
+    ``mode`` is W&B's: ``online`` syncs as the run goes, ``offline`` only writes the run's
+    files (``wandb sync`` uploads them later). The run's id is kept in
+    ``directory``/wandb/run_id, so a resumed training run continues the same W&B run.
+    """
+
+    def __init__(self, directory: Path, *, project: str, mode: str, config: dict, resume: bool):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ValueError(
+                f"wandb_project={project!r} needs wandb; pip install 'coat-jax[wandb]' or set "
+                "wandb_project=null"
+            ) from e
+        id_file = directory / "wandb" / "run_id"
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else None
+        self._run = wandb.init(
+            project=project,
+            mode=mode,
+            dir=os.fspath(directory),
+            id=run_id,
+            resume="allow" if run_id else None,
+            config=config,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(self._run.id)
+
+    def write(self, record: dict) -> None:
+        self._run.log(scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricsLog:
     """Appends one JSON object per line; on resume drops lines logged after the checkpoint.
 
-    With ``tensorboard_dir`` every record also goes to TensorBoard (through ``tensorboardX``,
-    ``pip install 'coat-jax[tensorboard]'``): each number of a record becomes a scalar of the
-    same name at the record's ``step``, so TensorBoard shows exactly what metrics.jsonl holds.
-    On resume, events after the checkpoint's step are purged there too.
+    Every record also goes to each of ``writers`` (:class:`MetricWriter`); ``tensorboard_dir``
+    adds a :class:`TensorBoardWriter` there, so TensorBoard shows exactly what metrics.jsonl
+    holds.
 
     Example:
       >>> import tempfile
@@ -49,6 +131,7 @@ class MetricsLog:
         *,
         resume_step: int | None,
         tensorboard_dir: str | os.PathLike | None = None,
+        writers: Sequence[MetricWriter] = (),
     ):
         self.path = path
         if resume_step is None:
@@ -58,30 +141,15 @@ class MetricsLog:
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
-        self._tensorboard = None
+        self._writers = list(writers)
         if tensorboard_dir is not None:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError as e:
-                raise ValueError(
-                    f"TensorBoard logging to {str(tensorboard_dir)!r} needs tensorboardX; "
-                    "pip install 'coat-jax[tensorboard]' or turn TensorBoard logging off"
-                ) from e
-            purge = None if resume_step is None else resume_step + 1
-            self._tensorboard = SummaryWriter(
-                os.fspath(Path(tensorboard_dir).expanduser()), purge_step=purge
-            )
+            self._writers.insert(0, TensorBoardWriter(tensorboard_dir, resume_step=resume_step))
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tensorboard is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(key, value, global_step=step)
-            # A run killed between records still shows everything it logged.
-            self._tensorboard.flush()
+        for writer in self._writers:
+            writer.write(record)
 
     def read(self) -> list[dict]:
         if not self.path.exists():
@@ -89,9 +157,9 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.close()
 
 
 def plot_loss_curve(records: list[dict], path: Path, title: str) -> None:

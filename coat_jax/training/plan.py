@@ -13,6 +13,7 @@ XLA's CPU backend and says that it found no limit.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from coat_jax.checkpoint_io import read_config
 from coat_jax.memory import residuals
 from coat_jax.quant import state_bytes
 from coat_jax.runs import resolve_init_from
+from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
 from coat_jax.training.model import next_token_loss
 from coat_jax.training.program import build_program
@@ -88,12 +90,7 @@ def plan_memory(
             return rows[batch]
         compiled = program.step_fn.lower(params, opt_state, program.abstract_batch(batch)).compile()
         ma = compiled.memory_analysis()
-        peak = (
-            ma.argument_size_in_bytes
-            + ma.output_size_in_bytes
-            - ma.alias_size_in_bytes
-            + ma.temp_size_in_bytes
-        )
+        peak = _peak(ma)
         tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), jnp.int32)
         kept = residuals(
             lambda p, t: next_token_loss(program.model_def, p, t),
@@ -119,6 +116,108 @@ def plan_memory(
     if search and limit is not None:
         largest = _largest_fitting(row, min(rows), max_compiles)
     return sorted(rows.values(), key=lambda r: r.batch_size), largest, limit
+
+
+def compiled_peak(program, batch: int) -> int:
+    """XLA's peak bytes of ``program``'s step at microbatch ``batch``: arguments + outputs -
+    donated + temporaries of the compiled (never run) step."""
+    args = (program.abstract_params, program.abstract_opt_state, program.abstract_batch(batch))
+    return _peak(program.step_fn.lower(*args).compile().memory_analysis())
+
+
+def _peak(ma) -> int:
+    """Arguments + outputs - donated + temporaries of XLA's ``memory_analysis()``."""
+    return int(
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        - ma.alias_size_in_bytes
+        + ma.temp_size_in_bytes
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    fits: bool
+
+
+def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_compiles=10):
+    """``cfg`` with a number for ``batch_size: auto`` and ``grad_accum`` from
+    ``global_batch_size``; a config with neither comes back as it is.
+
+    ``auto`` is the largest batch whose compiled step fits ``limit`` (default: the device's
+    allocator limit, :func:`device_limit`), searched by doubling and bisection over multiples
+    of the mesh's data x fsdp devices, each candidate compiled (never run) as the trainer
+    builds it, so that batch-dependent choices (``fp8_kernels``) follow the candidate. With
+    ``global_batch_size`` only its divisors are candidates, each with ``grad_accum =
+    global_batch_size / batch_size``.
+
+    Raises:
+      ValueError: ``auto`` on a backend without a memory limit (the CPU), no batch fits, or a
+        ``global_batch_size`` that the batch does not divide.
+    """
+    total = cfg.global_batch_size
+    if cfg.batch_size != "auto":
+        if total is None:
+            return cfg
+        return dataclasses.replace(cfg, grad_accum=_accum_for(cfg, cfg.batch_size))
+    if total is not None and cfg.grad_accum != 1:
+        raise ValueError(
+            f"batch_size=auto with global_batch_size={total} sets grad_accum itself; leave "
+            f"grad_accum at 1 (got {cfg.grad_accum})"
+        )
+    limit = device_limit() if limit is None else limit
+    if limit is None:
+        raise ValueError(
+            f"batch_size=auto plans against the device's memory limit, and the "
+            f"{jax.default_backend()} backend reports none; set batch_size to a number"
+        )
+    ways = math.prod(sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp).shape.values())
+    if total is None:
+        candidate = lambda k: ways * k
+    else:
+        divisors = [b for b in range(ways, total + 1, ways) if total % b == 0]
+        candidate = lambda k: divisors[k - 1] if k <= len(divisors) else None
+    llama_cfg = _llama_config(cfg)
+    seen: dict[int, _Fit] = {}
+
+    def row(k: int) -> _Fit:
+        batch = candidate(k)
+        if batch is None:
+            return _Fit(False)
+        if k not in seen:
+            trial = dataclasses.replace(
+                cfg,
+                batch_size=batch,
+                grad_accum=cfg.grad_accum if total is None else total // batch,
+            )
+            seen[k] = _Fit(compiled_peak(build_program(trial, llama_cfg), batch) <= limit)
+        return seen[k]
+
+    k = _largest_fitting(row, 1, max_compiles)
+    if k is None:
+        raise ValueError(
+            f"batch_size=auto: not even batch {candidate(1)} fits the device's "
+            f"{limit / GIB:.2f} GiB; see python train.py --plan for the memory account"
+        )
+    batch = candidate(k)
+    accum = cfg.grad_accum if total is None else total // batch
+    say(
+        f"batch_size=auto: {batch}, the largest batch whose compiled step fits the device's "
+        f"{limit / GIB:.2f} GiB ({len(seen)} compiles)"
+        + (f"; grad_accum={accum} keeps global_batch_size={total}" if total else "")
+    )
+    return dataclasses.replace(cfg, batch_size=batch, grad_accum=accum)
+
+
+def _accum_for(cfg: TrainConfig, batch: int) -> int:
+    total = cfg.global_batch_size
+    if total % batch or cfg.grad_accum not in (1, total // batch):
+        raise ValueError(
+            f"global_batch_size={total} must be batch_size={batch} times grad_accum; leave "
+            f"grad_accum at 1 (it becomes global_batch_size / batch_size) and choose a "
+            f"batch_size that divides {total}"
+        )
+    return total // batch
 
 
 def _largest_fitting(row, start: int, max_compiles: int) -> int | None:

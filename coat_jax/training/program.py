@@ -36,14 +36,21 @@ from coat_jax.training.step import make_train_step, with_rounding_count
 from coat_jax.training.telemetry import state_telemetry
 
 
-def make_schedule(cfg: TrainConfig):
-    """Linear warmup to ``learning_rate`` over ``warmup_steps``, then cosine to the floor.
+def warmup_of(cfg: TrainConfig) -> int:
+    """The schedule's warmup: ``warmup_steps``, or a tenth of ``steps`` where the warmup would
+    not end before the run does (a short run of a config made for a long one; the trainer says
+    so in one line)."""
+    return cfg.warmup_steps if cfg.warmup_steps < cfg.steps else cfg.steps // 10
 
-    Step ``c`` (0-based) of warmup uses ``lr * (c + 1) / warmup_steps``, so no step is spent
+
+def make_schedule(cfg: TrainConfig):
+    """Linear warmup to ``learning_rate`` over :func:`warmup_of` steps, then cosine to the floor.
+
+    Step ``c`` (0-based) of warmup uses ``lr * (c + 1) / warmup``, so no step is spent
     at learning rate 0.
     """
     peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
-    warmup, total = cfg.warmup_steps, cfg.steps
+    warmup, total = warmup_of(cfg), cfg.steps
 
     def schedule(count):
         count = jnp.asarray(count, jnp.float32)

@@ -185,7 +185,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
 
 
 # Files every run writes: a directory holding them belongs to another run.
-_RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard")
+_RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard", "wandb", "profile")
 
 
 def _claim_for_new_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> None:

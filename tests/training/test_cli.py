@@ -34,6 +34,7 @@ def test_train_help_lists_every_key_and_print_config_resolves():
     ).stdout
     for key in config_keys():
         assert f"\n  {key.name} " in help_text, key.name
+    assert max(len(line) for line in help_text.splitlines()) <= 100
     assert (
         "model.hidden_size" in help_text and "int, 128: width of the residual stream" in help_text
     )

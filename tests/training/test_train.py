@@ -107,8 +107,8 @@ def test_base_inheritance_and_overrides(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("stepz=10", r"unknown config key\(s\) stepz; valid keys: steps, output_dir"),
-        ("model.hidden=8", r"unknown config key\(s\) model.hidden; valid keys: model.vocab_size"),
+        ("stepz=10", r"unknown config key\(s\) stepz; did you mean steps\? python train.py --help"),
+        ("model.hidden=8", r"unknown config key\(s\) model.hidden; did you mean model.hidden_size"),
         (
             "precision=fp16",
             r"precision='fp16' is not valid; choose one of \['bf16', 'fp8', 'coat'\]",
@@ -117,7 +117,7 @@ def test_base_inheritance_and_overrides(tmp_path):
         ("steps=1.5", r"steps=1.5 is not valid; expected int"),
         ("resume=yes please", r"expected bool"),
         ("learning_rate=-1", r"learning_rate must be > 0"),
-        ("warmup_steps=10000", r"warmup_steps must be in \[0, steps=600\)"),
+        ("warmup_steps=-1", r"warmup_steps must be >= 0"),
         ("b2=1.0", r"b2 must be in \[0, 1\)"),
         ("steps", r"not of the form key=value"),
         ("val_documents=[a", r"the value is not valid YAML .*; quote it"),
