@@ -25,6 +25,8 @@ document (``val_documents``): it is never trained on.
   python benchmarks/accuracy.py --setting scratch --modes coat --seeds 0,1,2 --out runs/acc
   python benchmarks/accuracy.py --setting finetune --modes bf16,coat --seeds 0,1 --out runs/ft
   python benchmarks/accuracy.py --report runs/acc runs/ft --doc docs/accuracy.md
+  python benchmarks/accuracy.py --report benchmarks/results/accuracy/accuracy.jsonl \
+      --doc docs/accuracy.md                                 # again, from the committed records
 
 A run appends one JSON line per (mode, seed) to ``<out>/results.jsonl`` as soon as it ends, so
 a run stopped at a time limit keeps the seeds it finished. ``--report`` reads one or more such

@@ -1,6 +1,6 @@
 """The per-tensor FP8 cast: XLA's fusion of the jnp reference against the Pallas kernel.
 
-Usage (on a GPU): ``python benchmarks/fp8_cast.py [--rows 40960 --cols 11008] [--out docs/bench_fp8_cast]``.
+Usage (on a GPU): ``python benchmarks/fp8_cast.py [--rows 40960 --cols 11008] [--out benchmarks/results/fp8_cast/fp8_cast]``.
 
 Times, side by side in one process, each on the same BF16 tensor (Llama-2-7B's MLP activation at
 batch 20 x 2048 by default): the cast alone (``x / scale``, clipped, to E4M3 and to E5M2) as XLA

@@ -1,6 +1,6 @@
 """Tile sizes of the Pallas FP8 activation kernels: each kernel under several ``TileConfig``s.
 
-Usage (on a GPU): ``python benchmarks/fp8_tiles.py [--rows 40960] [--out docs/bench_fp8_tiles]``.
+Usage (on a GPU): ``python benchmarks/fp8_tiles.py [--rows 40960] [--out benchmarks/results/fp8_tiles/fp8_tiles]``.
 
 Times, side by side in one process, each Pallas kernel the trainer's FP8 ops run (the fused
 SwiGLU forward and backward, the per-tensor cast to E4M3 and E5M2, the RMSNorm forward and
