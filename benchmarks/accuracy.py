@@ -62,8 +62,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # Every mode with FP8 activation ops pins fp8_kernels=auto (the Pallas kernels on a GPU, the jnp
-# references on the CPU): the setting of every record before the trainer's default moved to XLA's
-# fusions (2026-12-03), so that a mode's rows stay one implementation. coat_xla is that default.
+# references on the CPU): the setting of the records written while that was the trainer's
+# default, so that a mode's rows stay one implementation. coat_xla is that default.
 _PALLAS_OPS = "fp8_kernels=auto"
 # Likewise every FP8 mode recorded before COAT's default became xla_excess_precision=false pins
 # XLA's own default (intermediates may stay float32), the setting of its records.
@@ -129,7 +129,7 @@ MODES = {
         "fp8_attention_backward=saved_output",
     ],
     # coat_xla with every bfloat16 intermediate rounded (xla_excess_precision=false, COAT's
-    # default since 2026-12-03).
+    # default).
     "coat_rounded": [
         "precision=coat",
         "optimizer=coat_adamw",
