@@ -213,9 +213,33 @@ def layer_page(folder: str) -> Callable[[Callable[[str], str]], str]:
     return render
 
 
+def e2e_page(folder: str) -> Callable[[Callable[[str], str]], str]:
+    """A ``bench_e2e.py`` report, as the benchmark writes it (``--equal-batch`` as recorded)."""
+
+    def render(link: Callable[[str], str]) -> str:
+        records = _records(f"{folder}/e2e.jsonl")
+        command = bench_e2e.recorded_command(records)
+        batches = re.findall(r"--equal-batch[ =](\d+)", command)
+        equal_batch = int(batches[-1]) if batches else 1
+        return bench_e2e.write_docs(None, records, equal_batch, command)
+
+    return render
+
+
+E2E_PAGES = (
+    "e2e",
+    "e2e_group_scale",
+    "e2e_in_backward",
+    "e2e_in_backward_in_place",
+    "e2e_llama3_8b",
+    "e2e_llama3_8b_group_scale",
+    "e2e_llama3_8b_in_backward",
+    "e2e_once",
+)
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "headline": headline,
     "fp8_rowwise": layer_page("fp8_rowwise"),
+    **{name: e2e_page(name) for name in E2E_PAGES},
 }
 
 
