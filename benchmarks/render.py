@@ -34,6 +34,8 @@ import _common as C  # noqa: E402
 import accuracy  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_layer  # noqa: E402
+import fp8_cast  # noqa: E402
+import fp8_tiles  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -236,7 +238,20 @@ E2E_PAGES = (
     "e2e_llama3_8b_in_backward",
     "e2e_once",
 )
+
+
+def records_table(rel: str, table: Callable[[list[dict]], list[str]]):
+    """A benchmark's table (its own ``table`` function) of the records in ``rel``."""
+
+    def render(link: Callable[[str], str]) -> str:
+        return "\n".join(table(_records(rel))) + "\n"
+
+    return render
+
+
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
+    "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
+    "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
     "headline": headline,
     "fp8_rowwise": layer_page("fp8_rowwise"),
     **{name: e2e_page(name) for name in E2E_PAGES},
