@@ -77,7 +77,7 @@ def _optimizer_rows() -> list[Row]:
     by = {r["name"]: r for r in run["results"]}
     optax, coat = by["optax.adamw (f32 moments)"], by["coat_adamw pallas (fused apply)"]
     meta = run["meta"]
-    page = "benchmarks.md"
+    page = "notes_optimizer_kernel.md"
     return [
         Row(
             "optimizer state, Llama-2-7B tree",
@@ -204,6 +204,28 @@ def headline(link: Callable[[str], str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _commands(rel: str) -> list[str]:
+    """The commands that wrote the records in ``rel``, as they recorded them."""
+    if rel.endswith(".json"):
+        return [_json(rel)["meta"]["command"]]
+    records = _records(rel)
+    kinds = [r["command"] for r in records if r.get("kind") == "command"]
+    return list(dict.fromkeys(kinds or [r["command"] for r in records if "command" in r]))
+
+
+def headline_commands(link: Callable[[str], str]) -> str:
+    """The commands behind each figure of the results table, from its records."""
+    rows = _optimizer_rows() + _e2e_rows() + _accuracy_rows()
+    lines = []
+    for r in rows:
+        lines.append(f"- {r.what}:")
+        for rel in r.records:
+            commands = _commands(rel)
+            shown = "; ".join(f"`{c}`" for c in commands) if commands else "not recorded"
+            lines.append(f"    - `benchmarks/results/{rel}`: {shown}")
+    return "\n".join(lines) + "\n"
+
+
 def layer_page(folder: str) -> Callable[[Callable[[str], str]], str]:
     """A whole ``bench_layer.py`` report page, as the benchmark writes it."""
 
@@ -253,6 +275,7 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
     "headline": headline,
+    "headline_commands": headline_commands,
     "fp8_rowwise": layer_page("fp8_rowwise"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
