@@ -271,7 +271,13 @@ def records_table(rel: str, table: Callable[[list[dict]], list[str]]):
     return render
 
 
+def accuracy_page(link: Callable[[str], str]) -> str:
+    """The accuracy report above its notes, as ``accuracy.py --report`` writes it."""
+    return accuracy.report_text(_records("accuracy/accuracy.jsonl"), "accuracy.png")
+
+
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
+    "accuracy": accuracy_page,
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
     "headline": headline,
