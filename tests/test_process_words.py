@@ -42,7 +42,9 @@ WORDS = {
     ),
     "a round of work": re.compile(rf"\b(?:round\s+\d+|{ORDINAL}\s+round)\b(?!\s+trip)", re.I),
     "a version of the work": re.compile(
-        r"\b(?:this version|last time|new this \w+|previous session|we tried)\b", re.I
+        r"\b(?:this version|last time|new this \w+|previous session|we tried|the issue's|"
+        r"as the issue asks)\b",
+        re.I,
     ),
     "a date in prose": re.compile(r'(?<!"date": ")\b20\d\d-[01]\d-[0-3]\d\b'),
 }
