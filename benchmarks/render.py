@@ -226,6 +226,43 @@ def headline_commands(link: Callable[[str], str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def history(link: Callable[[str], str]) -> str:
+    """Llama-2-7B tokens/s, COAT against BF16 at each one's largest batch, in every record that
+    ran both there: the largest-batch figure over time, oldest first."""
+    rows = []
+    for path in sorted(RESULTS.glob("*/*.jsonl")):
+        rel = path.relative_to(RESULTS).as_posix()
+        best = {}
+        records = [r for r in _records(rel) if "kind" in r]  # bench_e2e-style records
+        for setting, m in bench_e2e.summarize(records).items():
+            config = m.get("setup", {}).get("config")
+            if config not in (None, "configs/llama2_7b.yaml") or "model." in setting:
+                continue  # another model
+            if "fp8_attention_backward=saved_output" in setting:
+                continue  # an option with an accuracy cost (bench_attention_backward.md)
+            for run in m["runs"].values():
+                mode = m["rec"]["mode"]
+                if run["batch"] > 1 and run["tokens_per_s"] > best.get(mode, {}).get(
+                    "tokens_per_s", 0
+                ):
+                    best[mode] = run
+        if "coat" in best and "bf16" in best:
+            rows.append((best["coat"]["date"], rel, best["coat"], best["bf16"]))
+    lines = [
+        "| date | device | COAT tokens/s (batch) | BF16 tokens/s (batch) | COAT / BF16 | record |",
+        "|---|---|---|---|---|---|",
+    ]
+    for date, rel, coat, bf16 in sorted(rows):
+        lines.append(
+            f"| {date[:10]} | {coat['device'].removeprefix('gpu:')} | "
+            f"{C.truncated(coat['tokens_per_s'], 0)} ({coat['batch']}) | "
+            f"{C.truncated(bf16['tokens_per_s'], 0)} ({bf16['batch']}) | "
+            f"{C.ratio(coat['tokens_per_s'], bf16['tokens_per_s'])} | "
+            f"`benchmarks/results/{rel}` |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def layer_page(folder: str) -> Callable[[Callable[[str], str]], str]:
     """A whole ``bench_layer.py`` report page, as the benchmark writes it."""
 
@@ -282,6 +319,7 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
     "headline": headline,
     "headline_commands": headline_commands,
+    "history": history,
     "fp8_rowwise": layer_page("fp8_rowwise"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
