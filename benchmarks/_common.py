@@ -182,6 +182,11 @@ def write_results(out: str | None, records: list[dict], title: str, text: str) -
         f.write(f"# {title}\n\n{text}\n")
 
 
+def rendered(name: str, body: str) -> str:
+    """``body`` as the rendered block ``name`` of a page (benchmarks/render.py re-renders it)."""
+    return f"<!-- rendered: {name} -->\n{body}<!-- end rendered -->\n"
+
+
 def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []

@@ -25,6 +25,8 @@ document (``val_documents``): it is never trained on.
   python benchmarks/accuracy.py --setting scratch --modes coat --seeds 0,1,2 --out runs/acc
   python benchmarks/accuracy.py --setting finetune --modes bf16,coat --seeds 0,1 --out runs/ft
   python benchmarks/accuracy.py --report runs/acc runs/ft --doc docs/accuracy.md
+  python benchmarks/accuracy.py --report benchmarks/results/accuracy/accuracy.jsonl \
+      --doc docs/accuracy.md                                 # again, from the committed records
 
 A run appends one JSON line per (mode, seed) to ``<out>/results.jsonl`` as soon as it ends, so
 a run stopped at a time limit keeps the seeds it finished. ``--report`` reads one or more such
@@ -58,10 +60,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _common as C  # noqa: E402
 
 # Every mode with FP8 activation ops pins fp8_kernels=auto (the Pallas kernels on a GPU, the jnp
-# references on the CPU): the setting of every record before the trainer's default moved to XLA's
-# fusions (2026-12-03), so that a mode's rows stay one implementation. coat_xla is that default.
+# references on the CPU): the setting of the records written while that was the trainer's
+# default, so that a mode's rows stay one implementation. coat_xla is that default.
 _PALLAS_OPS = "fp8_kernels=auto"
 # Likewise every FP8 mode recorded before COAT's default became xla_excess_precision=false pins
 # XLA's own default (intermediates may stay float32), the setting of its records.
@@ -127,7 +132,7 @@ MODES = {
         "fp8_attention_backward=saved_output",
     ],
     # coat_xla with every bfloat16 intermediate rounded (xla_excess_precision=false, COAT's
-    # default since 2026-12-03).
+    # default).
     "coat_rounded": [
         "precision=coat",
         "optimizer=coat_adamw",
@@ -458,9 +463,22 @@ def held_out_text(setting: str, row: dict) -> str:
 
 
 def write_report(rows: list[dict], doc: Path) -> str:
-    summary = summarize(rows)
+    """Writes ``doc`` (:func:`report_text`, then the notes kept below :data:`NOTES_MARKER`) and
+    the validation curves as the PNG beside it."""
     plot = doc.with_suffix(".png")
-    plot_curves(summary, plot)
+    plot_curves(summarize(rows), plot)
+    text = C.rendered("accuracy", report_text(rows, plot.name))
+    # What a person wrote below the marker (the reading of the numbers) survives a re-report.
+    if doc.exists() and NOTES_MARKER in doc.read_text():
+        text += "\n" + NOTES_MARKER + doc.read_text().split(NOTES_MARKER, 1)[1]
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return text
+
+
+def report_text(rows: list[dict], plot_name: str) -> str:
+    """The report of ``rows`` (the runs' results) as Markdown, the plot named ``plot_name``."""
+    summary = summarize(rows)
     lines = [
         "# Training accuracy: COAT against BF16",
         "",
@@ -470,7 +488,7 @@ def write_report(rows: list[dict], doc: Path) -> str:
         "seeds, then [min, max] over seeds; gap: the mode's mean against BF16 + AdamW's, in %, and",
         "whether the two means differ by at most BF16's own seed range (its max minus min).",
         "",
-        f"![validation curves]({plot.name})",
+        f"![validation curves]({plot_name})",
         "",
     ]
     for setting in sorted({k[0] for k in summary}, key=list(SETTINGS).index):
@@ -524,13 +542,7 @@ def write_report(rows: list[dict], doc: Path) -> str:
                 for key, r in before
             ]
         lines.append("")
-    text = "\n".join(lines)
-    # What a person wrote below the marker (the reading of the numbers) survives a re-report.
-    if doc.exists() and NOTES_MARKER in doc.read_text():
-        text += "\n" + NOTES_MARKER + doc.read_text().split(NOTES_MARKER, 1)[1]
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
-    return text
+    return "\n".join(lines)
 
 
 def plot_curves(summary: dict, path: Path) -> None:

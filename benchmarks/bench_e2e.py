@@ -512,6 +512,11 @@ def _best(by, mode, key, lower_is_better=False, options=False):
     return (min if lower_is_better else max)(cands, key=lambda c: c[1])
 
 
+def _tokens(v: float | None) -> str:
+    """Tokens/s for a table cell; ``n/a`` where the run did not record it."""
+    return "n/a" if not v else f"{v:.0f}"
+
+
 def write_docs(path: str | None, records: list[dict], equal_batch: int, command: str) -> str:
     by = summarize(records)
     env = next((r for r in records if r["kind"] == "setup"), None)
@@ -586,6 +591,8 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
             ("tokens/s at its largest batch", "mx", lambda v: f"{v:.0f}", False),
         ):
             plain, opts = best[False][key], best[True][key]
+            if not any(plain.values()) and not any(opts.values()):
+                continue  # not recorded (records from before the pipelined timing)
             bf = plain.get("bf16")
             lines.append(
                 f"| {label} | "
@@ -614,8 +621,9 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
         lines.append(
             f"| `{name}` | {m['rec']['optimizer']} | {C.gib(st)} | "
             f"{m.get('init', {}).get('init_s', 'n/a')} | {comp.get('compile_s', 'n/a')} | "
-            f"{C.gib(e.get('peak_bytes_in_use'))} | {e.get('tokens_per_s', 0):.0f} | "
-            f"{e.get('tokens_per_s_pipelined', 0):.0f} | {mb or 'n/a'} | {C.gib(x.get('peak_bytes_in_use'))} | {x.get('tokens_per_s', 0):.0f} | "
+            f"{C.gib(e.get('peak_bytes_in_use'))} | {_tokens(e.get('tokens_per_s'))} | "
+            f"{_tokens(e.get('tokens_per_s_pipelined'))} | {mb or 'n/a'} | "
+            f"{C.gib(x.get('peak_bytes_in_use'))} | {_tokens(x.get('tokens_per_s'))} | "
             f"{comp.get('fp8_gemms', 'n/a')} |"
         )
     if firsts:

@@ -74,8 +74,7 @@ MODES = ("bf16", "fp8", "coat")
 PAPER_U = {"bf16": 22.66, "fp8": 18.33, "coat": 13.33}  # COAT Table 2 (PyTorch, TE for fp8)
 WEIGHT_RESIDUALS = ("master", "fp8", "once")  # coat_jax.fp8_ops.WEIGHT_RESIDUALS (no JAX here)
 # The trainer's fp8_kernels option: "default" leaves it unset (with `kernels: auto` the FP8 ops
-# then run as the trainer's shape rule picks, optimizers.fp8_ops_auto, since 2026-12-04; XLA's
-# fusions from 2026-12-03; the Pallas kernels before).
+# then run as the trainer's shape rule picks, optimizers.fp8_ops_auto).
 FP8_KERNELS = ("default", "auto", "xla", "pallas")
 # The optimizer of each mode's layer step, as train.py pairs them (docs/bench_e2e.md).
 MODE_OPTIMIZERS = {"bf16": "adamw", "fp8": "adamw", "coat": "coat_adamw"}

@@ -1,6 +1,6 @@
 """The per-tensor FP8 cast: XLA's fusion of the jnp reference against the Pallas kernel.
 
-Usage (on a GPU): ``python benchmarks/fp8_cast.py [--rows 40960 --cols 11008] [--out docs/bench_fp8_cast]``.
+Usage (on a GPU): ``python benchmarks/fp8_cast.py [--rows 40960 --cols 11008] [--out benchmarks/results/fp8_cast/fp8_cast]``.
 
 Times, side by side in one process, each on the same BF16 tensor (Llama-2-7B's MLP activation at
 batch 20 x 2048 by default): the cast alone (``x / scale``, clipped, to E4M3 and to E5M2) as XLA
@@ -54,6 +54,19 @@ def cases():
     return out
 
 
+def table(rows: list[dict]) -> list[str]:
+    """The timings of ``rows`` (the records) as a Markdown table, figures truncated."""
+    tr = C.truncated
+    lines = ["| case | ms [min, max] | TB/s |", "|---|---|---|"]
+    for r in rows:
+        if "ms" in r:
+            lines.append(
+                f"| {r['case']} | {tr(r['ms'])} [{tr(r['min_ms'])}, {tr(r['max_ms'])}] | "
+                f"{tr(r['tb_per_s'], 2)} |"
+            )
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=40960)
@@ -67,11 +80,11 @@ def main(argv=None):
     x = jax.random.normal(jax.random.key(0), (args.rows, args.cols), jnp.bfloat16)
     scale = fp8_quant.scale_from_amax(fp8_quant.group_amax_reference(x), "e4m3")
     n = x.size
-    env = C.environment()
-    table = cases()
+    env = dict(C.environment(), command=C.command_line())
+    timed = cases()
     rows = []
-    compiled = {name: jax.jit(fn, compiler_options=options) for name, (fn, _) in table.items()}
-    for name, (_, bytes_per) in table.items():
+    compiled = {name: jax.jit(fn, compiler_options=options) for name, (fn, _) in timed.items()}
+    for name, (_, bytes_per) in timed.items():
         f = compiled[name]
         t = C.time_fn(lambda f=f: jax.block_until_ready(f(x, scale)), warmup=2, reps=args.reps)
         ms = t["median_s"] * 1e3
@@ -102,16 +115,8 @@ def main(argv=None):
         "bytes each moves (cast: 2 read + 1 written per value; quantizer: +2 read for the "
         "maxima; copy: 2 + 2):",
         "",
-        "| case | ms [min, max] | TB/s |",
-        "|---|---|---|",
+        *table(rows),
     ]
-    for r in rows:
-        if "ms" in r:
-            tr = C.truncated
-            lines.append(
-                f"| {r['case']} | {tr(r['ms'])} [{tr(r['min_ms'])}, {tr(r['max_ms'])}] | "
-                f"{tr(r['tb_per_s'], 2)} |"
-            )
     text = "\n".join(lines)
     print(text)
     C.write_results(args.out, rows, "The per-tensor FP8 cast: XLA against Pallas", text)

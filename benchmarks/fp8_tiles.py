@@ -1,6 +1,6 @@
 """Tile sizes of the Pallas FP8 activation kernels: each kernel under several ``TileConfig``s.
 
-Usage (on a GPU): ``python benchmarks/fp8_tiles.py [--rows 40960] [--out docs/bench_fp8_tiles]``.
+Usage (on a GPU): ``python benchmarks/fp8_tiles.py [--rows 40960] [--out benchmarks/results/fp8_tiles/fp8_tiles]``.
 
 Times, side by side in one process, each Pallas kernel the trainer's FP8 ops run (the fused
 SwiGLU forward and backward, the per-tensor cast to E4M3 and E5M2, the RMSNorm forward and
@@ -168,7 +168,7 @@ def main(argv=None):
     if jax.default_backend() != "gpu" and not args.interpret:
         raise SystemExit("fp8_tiles.py times GPU kernels; run it on a GPU (or --interpret)")
     options = dict(fp8_ops.fp8_compiler_options() or {}, xla_allow_excess_precision=False)
-    env = C.environment()
+    env = dict(C.environment(), command=C.command_line())
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     rows = []
 
@@ -235,6 +235,14 @@ def report(rows, args, env) -> str:
         "(below 1: faster). Equal: the outputs equal the default's bit for bit (else the largest "
         "absolute difference).",
         "",
+        *table(rows),
+    ]
+    return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The timings of ``rows`` (the records) as a Markdown table, relative to the default tiles."""
+    lines = [
         "| op | setting | ms [min, max] | TB/s | / default | equal |",
         "|---|---|---|---|---|---|",
     ]
@@ -251,7 +259,7 @@ def report(rows, args, env) -> str:
             f"| {r['op']} | {r['setting']} | {C.truncated(r['ms'])} [{C.truncated(r['min_ms'])}, "
             f"{C.truncated(r['max_ms'])}] | {C.truncated(r['tb_per_s'], 2)} | {rel} | {eq} |"
         )
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Compiled instruction counts of the fused COAT AdamW kernel, for Hopper, with or without a GPU.
 
-Usage: ``python benchmarks/kernel_sass.py --settings 16/4,16/4/t2 [--out docs/X]``.
+Usage: ``python benchmarks/kernel_sass.py --settings 16/4,16/4/t2 [--out benchmarks/results/optimizer/kernel_sass]``.
 
 For each launch setting (``bench_optimizer.parse_setting``'s syntax) this lowers
 ``pallas_kernels.coat_adam.coat_adamw_apply`` for CUDA on a ``[4096, 4096]`` float32 parameter

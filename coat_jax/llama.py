@@ -358,7 +358,7 @@ class Llama(nnx.Module):
         1xG-scaled tensors of a layer, ``"norm"`` the final norm's input. Empty where the
         precision has no such FP8 tensors (all three for ``"bf16"``).
 
-        Example:
+        Examples:
           >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
           ...                   num_hidden_layers=2, num_attention_heads=4)
           >>> names = Llama(cfg, precision="coat", rngs=nnx.Rngs(0)).activation_names()

@@ -209,7 +209,8 @@ def scale_by_coat_adam(
         fixes the state's shapes, so with ``optax.inject_hyperparams`` pass it in ``static_args``.
       expand_min: DRE's exponent is a multiple of ``1 / expand_min``.
       expansion: Dynamic Range Expansion on (COAT) or off (per-group absmax).
-      mu_format, nu_format: ``"e4m3"`` (COAT's default for both) or ``"e5m2"``.
+      mu_format: the first moment's FP8 format, ``"e4m3"`` (COAT's default) or ``"e5m2"``.
+      nu_format: the second moment's FP8 format, ``"e4m3"`` (COAT's default) or ``"e5m2"``.
       fp8_mask: which parameters get FP8 moments, in optax's ``MaskOrFn`` convention (a tree of
         bools like the parameters, or a function of the parameters returning one). ``None``:
         all of them. Masked-out ones, scalars and empty arrays keep float32 moments.
@@ -424,11 +425,21 @@ def coat_adamw(
 
     Args:
       learning_rate: a float or an optax schedule.
-      b1, b2, eps: as in ``optax.adamw`` (``eps`` outside the square root).
+      b1: decay of the first moment, as in ``optax.adamw``.
+      b2: decay of the second moment, as in ``optax.adamw``.
+      eps: as in ``optax.adamw``, added outside the square root.
       weight_decay: decoupled weight decay (uses the parameter before this step).
       mask: which parameters weight decay applies to (optax's ``MaskOrFn``).
-      group_size, expand_min, expansion, mu_format, nu_format, fp8_mask, implementation,
-        interpret, mesh, partition_specs: see :func:`scale_by_coat_adam`.
+      group_size: see :func:`scale_by_coat_adam`.
+      expand_min: see :func:`scale_by_coat_adam`.
+      expansion: see :func:`scale_by_coat_adam`.
+      mu_format: see :func:`scale_by_coat_adam`.
+      nu_format: see :func:`scale_by_coat_adam`.
+      fp8_mask: see :func:`scale_by_coat_adam`.
+      implementation: see :func:`scale_by_coat_adam`.
+      interpret: see :func:`scale_by_coat_adam`.
+      mesh: see :func:`scale_by_coat_adam`.
+      partition_specs: see :func:`scale_by_coat_adam`.
 
     Returns:
       A :class:`~coat_jax.fused_apply.FusedGradientTransformation`: an optax transformation

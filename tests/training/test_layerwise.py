@@ -88,7 +88,7 @@ def distances(got, want) -> dict:
 ON_GPU = jax.default_backend() == "gpu"
 # On a GPU the two programs round differently (XLA fuses their bfloat16 work differently), and
 # FP8 quantization turns rounding into code flips that Adam's later steps amplify: on the H200
-# (2026-12-02) the layerwise COAT step was 1.59% from the plain one in its worst parameter
+# the layerwise COAT step was 1.59% from the plain one in its worst parameter
 # tensor after 3 steps, 0.25% in gradient norm and 1.1e-4 in loss, while its first gradient
 # norm (same parameters, before any update) agreed to 7e-8. (Calibrating by the plain step from
 # parameters nudged by 1e-7, which moves the CPU's run by as much, did not transfer: on the H200

@@ -255,13 +255,13 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
     )
     # Measured (JAX 0.10.2): losses 0 to 1 float32 ulp apart (relative 9.7e-8 at most), the
     # parameter vector 6.2e-9 (relative; 5983 of 70080 values differ, by ulps): the all-reduce
-    # orders differ, nothing else does. On 2026-12-02, on the same kind of machine and with the
-    # code of the day before as well: losses 1.95e-7 apart, parameters 1.15e-5 (24503 values
+    # orders differ, nothing else does. In another run on the same kind of
+    # machine: losses 1.95e-7 apart, parameters 1.15e-5 (24503 values
     # differ): an ulp in a gradient now and then moves an FP8 moment code across a rounding tie,
     # and Adam turns that into a parameter step a fraction of the learning rate different.
     assert worst < 1e-6
     assert rel < 5e-5
-    # 2026-12-02: validation losses 1.2e-6 apart (relative), after the steps above.
+    # Measured: validation losses 1.2e-6 apart (relative), after the steps above.
     assert two[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
 
 

@@ -304,7 +304,7 @@ def test_optimizer_state_it_cannot_read_is_a_clear_error():
 def assert_same_telemetry(got: dict, want: dict) -> None:
     """The metrics of one step, computed in another program: counts exactly, errors to float32
     rounding (a cond's branch fuses its sums differently, the clip factor's norm among them, and
-    a relative error divides by small moments: 2.3e-5 apart measured on the CPU, 2026-12-02)."""
+    a relative error divides by small moments: 2.3e-5 apart measured on the CPU)."""
     got, want = ({k: v for k, v in logged_metrics(m).items() if "state/" in k} for m in (got, want))
     assert sorted(got) == sorted(want) and want
     for k, v in want.items():

@@ -1,0 +1,376 @@
+"""Renders the published tables of README.md and docs/ from the records in benchmarks/results/.
+
+Every published figure lives in one record under ``benchmarks/results/<benchmark>/``; a page
+shows it through a rendered block::
+
+    <!-- rendered: NAME -->
+    ...what BLOCKS[NAME] makes of the records...
+    <!-- end rendered -->
+
+Usage::
+
+    python benchmarks/render.py           # rewrite every rendered block in README.md and docs/
+    python benchmarks/render.py --check   # exit 1 naming each block that differs from a render
+
+Each block reuses its benchmark's own report code (``bench_layer.write_docs``,
+``bench_e2e.summarize``, ``accuracy.summarize``), so a table reads the same whether the
+benchmark wrote it after a run or this script renders it from the committed records.
+tests/benchmarks/test_rendered.py runs ``--check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+import accuracy  # noqa: E402
+import bench_e2e  # noqa: E402
+import bench_layer  # noqa: E402
+import fp8_cast  # noqa: E402
+import fp8_tiles  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BLOCK = re.compile(
+    r"(<!-- rendered: (?P<name>[\w./-]+) -->\n)(?P<body>.*?)(<!-- end rendered -->)", re.S
+)
+# The files that may hold rendered blocks.
+TARGETS = ("README.md", "docs")
+
+
+def _records(rel: str) -> list[dict]:
+    return C.read_jsonl(str(RESULTS / rel))
+
+
+def _json(rel: str) -> dict:
+    return json.loads((RESULTS / rel).read_text())
+
+
+def _runs(records: list[dict], setting: str) -> list[dict]:
+    """The setting's timed runs, one per batch (``bench_e2e.summarize``)."""
+    by = bench_e2e.summarize(records)
+    if setting not in by or not by[setting]["runs"]:
+        raise ValueError(f"no 'run' record of setting {setting!r}")
+    return list(by[setting]["runs"].values())
+
+
+class Row:
+    """One row of the results table: a figure, its device, JAX version and date, its sources."""
+
+    def __init__(self, what: str, result: str, stamp: dict, page: str, records: list[str]):
+        self.what, self.result, self.page, self.records = what, result, page, records
+        self.device = stamp["device"].removeprefix("gpu:")
+        self.jax, self.date = stamp["jax"], stamp["date"][:10]
+
+
+def _optimizer_rows() -> list[Row]:
+    rel = "optimizer/flat_stacked.json"
+    run = _json(rel)
+    by = {r["name"]: r for r in run["results"]}
+    optax, coat = by["optax.adamw (f32 moments)"], by["coat_adamw pallas (fused apply)"]
+    meta = run["meta"]
+    page = "notes_optimizer_kernel.md"
+    return [
+        Row(
+            "optimizer state, Llama-2-7B tree",
+            f"coat_adamw {coat['state_bytes'] / 1e9:.2f} GB against optax.adamw's "
+            f"{optax['state_bytes'] / 1e9:.2f} GB ({C.ratio(coat['state_bytes'], optax['state_bytes'])}), "
+            f"{C.truncated(coat['state_bytes'] / meta['n_params'], 2)} bytes per parameter",
+            meta,
+            page,
+            [rel],
+        ),
+        Row(
+            "optimizer step, Llama-2-7B tree (stacked layers, float32 gradients)",
+            f"`coat_jax.apply_gradients(coat_adamw(...))` {coat['median_s'] * 1e3:.2f} ms against "
+            f"optax.adamw's {optax['median_s'] * 1e3:.2f} ms "
+            f"({C.ratio(coat['median_s'], optax['median_s'])})",
+            meta,
+            page,
+            [rel],
+        ),
+    ]
+
+
+def _best_bf16(records: list[dict], key: Callable[[dict], float | None], batch=None, low=False):
+    """BF16's best run by ``key`` over its settings (at ``batch`` if given)."""
+    runs = [
+        r
+        for s, m in bench_e2e.summarize(records).items()
+        if m["rec"]["mode"] == "bf16"
+        for b, r in m["runs"].items()
+        if (batch is None or b == batch) and key(r)
+    ]
+    return (min if low else max)(runs, key=key)
+
+
+def _e2e_rows() -> list[Row]:
+    peak = lambda r: r.get("peak_bytes_in_use")
+    rel_oib, rel_bf16 = "e2e_in_backward/e2e.jsonl", "e2e/e2e.jsonl"
+    oib = _runs(
+        _records(rel_oib), "coat:scan:activations:optimizer_in_backward=true+grad_clip=null"
+    )
+    coat_b1 = next(r for r in oib if r["batch"] == 1)
+    bf16_b1 = _best_bf16(_records(rel_bf16), peak, batch=1, low=True)
+    rel_big = "fp8_kernels/rule.jsonl"
+    big = _records(rel_big)
+    coat_big = max(
+        _runs(
+            big,
+            "coat:scan:activations:optimizer_in_backward=true+grad_clip=null+fp8_attention=true"
+            "+loss_chunk_size=2048+fp8_group_scale=e8m0+fp8_weight_residual=master"
+            "+fp8_swiglu=fused",
+        ),
+        key=lambda r: r["tokens_per_s"],
+    )
+    bf16_big = _best_bf16(big, lambda r: r["tokens_per_s"])
+    rel_b1 = "excess_precision/7b_b1.jsonl"
+    b1 = _records(rel_b1)
+    pipelined = lambda r: r.get("tokens_per_s_pipelined")
+    coat_1 = _runs(b1, "coat:unrolled:none:fp8_swiglu=fused+xla_excess_precision=false")[0]
+    bf16_1 = _best_bf16(b1, pipelined, batch=1)
+    return [
+        Row(
+            "`train.py`'s Llama-2-7B step, peak memory at batch 1",
+            f"COAT with `optimizer_in_backward` {C.gib(peak(coat_b1))} GiB against BF16's best "
+            f"(`{bf16_b1['setting']}`) {C.gib(peak(bf16_b1))} GiB: "
+            f"{C.ratio(peak(bf16_b1), peak(coat_b1))} less",
+            coat_b1,
+            "bench_e2e_in_backward.md",
+            [rel_oib, rel_bf16],
+        ),
+        Row(
+            "`train.py`'s Llama-2-7B step, tokens/s at the largest batch",
+            f"COAT (float32 masters, every memory option) {C.truncated(coat_big['tokens_per_s'], 0)} at batch "
+            f"{coat_big['batch']} against BF16's best {C.truncated(bf16_big['tokens_per_s'], 0)} at its "
+            f"largest batch ({bf16_big['batch']}, `{bf16_big['setting']}`) in the same run: "
+            f"**{C.ratio(coat_big['tokens_per_s'], bf16_big['tokens_per_s'])}**",
+            coat_big,
+            "bench_fp8_kernels.md",
+            [rel_big],
+        ),
+        Row(
+            "`train.py`'s Llama-2-7B step, tokens/s at batch 1 (one step in flight)",
+            f"COAT {C.truncated(pipelined(coat_1), 0)} against BF16's best {C.truncated(pipelined(bf16_1), 0)} "
+            f"(`{bf16_1['setting']}`) in the same run: "
+            f"**{C.ratio(pipelined(coat_1), pipelined(bf16_1))}**",
+            coat_1,
+            "bench_excess_precision.md",
+            [rel_b1],
+        ),
+    ]
+
+
+def _accuracy_rows() -> list[Row]:
+    rel = "accuracy/accuracy.jsonl"
+    rows = _records(rel)
+    summary = accuracy.summarize(rows)
+    bf16, coat = summary[("scratch", "bf16")], summary[("scratch", "coat")]
+    g = accuracy.gap(summary, "scratch", "coat", "best")
+    return [
+        Row(
+            "training accuracy, 113M Llama from scratch (32.77M tokens)",
+            f"best validation loss COAT {accuracy.cut(coat['best'][0], 4)} against BF16's "
+            f"{accuracy.cut(bf16['best'][0], 4)} ({accuracy.gap_text(g)}%, "
+            f"{len(coat['seeds'])} seeds each)",
+            coat["rows"][-1],
+            "accuracy.md",
+            [rel],
+        )
+    ]
+
+
+def headline(link: Callable[[str], str]) -> str:
+    """The results table: each headline figure with its device, JAX version, date and sources."""
+    rows = _optimizer_rows() + _e2e_rows() + _accuracy_rows()
+    lines = [
+        "| what | result | device | JAX | date | details, records |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sources = ", ".join(f"`benchmarks/results/{rec}`" for rec in r.records)
+        lines.append(
+            f"| {r.what} | {r.result} | {r.device} | {r.jax} | {r.date} | "
+            f"[{r.page}]({link(r.page)}); {sources} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _commands(rel: str) -> list[str]:
+    """The commands that wrote the records in ``rel``, as they recorded them."""
+    if rel.endswith(".json"):
+        return [_json(rel)["meta"]["command"]]
+    records = _records(rel)
+    kinds = [r["command"] for r in records if r.get("kind") == "command"]
+    return list(dict.fromkeys(kinds or [r["command"] for r in records if "command" in r]))
+
+
+def headline_commands(link: Callable[[str], str]) -> str:
+    """The commands behind each figure of the results table, from its records."""
+    rows = _optimizer_rows() + _e2e_rows() + _accuracy_rows()
+    lines = []
+    for r in rows:
+        lines.append(f"- {r.what}:")
+        for rel in r.records:
+            commands = _commands(rel)
+            shown = "; ".join(f"`{c}`" for c in commands) if commands else "not recorded"
+            lines.append(f"    - `benchmarks/results/{rel}`: {shown}")
+    return "\n".join(lines) + "\n"
+
+
+def history(link: Callable[[str], str]) -> str:
+    """Llama-2-7B tokens/s, COAT against BF16 at each one's largest batch, in every record that
+    ran both there: the largest-batch figure over time, oldest first."""
+    rows = []
+    for path in sorted(RESULTS.glob("*/*.jsonl")):
+        rel = path.relative_to(RESULTS).as_posix()
+        best = {}
+        records = [r for r in _records(rel) if "kind" in r]  # bench_e2e-style records
+        for setting, m in bench_e2e.summarize(records).items():
+            config = m.get("setup", {}).get("config")
+            if config not in (None, "configs/llama2_7b.yaml") or "model." in setting:
+                continue  # another model
+            if "fp8_attention_backward=saved_output" in setting:
+                continue  # an option with an accuracy cost (bench_attention_backward.md)
+            for run in m["runs"].values():
+                mode = m["rec"]["mode"]
+                if run["batch"] > 1 and run["tokens_per_s"] > best.get(mode, {}).get(
+                    "tokens_per_s", 0
+                ):
+                    best[mode] = run
+        if "coat" in best and "bf16" in best:
+            rows.append((best["coat"]["date"], rel, best["coat"], best["bf16"]))
+    lines = [
+        "| date | device | COAT tokens/s (batch) | BF16 tokens/s (batch) | COAT / BF16 | record |",
+        "|---|---|---|---|---|---|",
+    ]
+    for date, rel, coat, bf16 in sorted(rows):
+        lines.append(
+            f"| {date[:10]} | {coat['device'].removeprefix('gpu:')} | "
+            f"{C.truncated(coat['tokens_per_s'], 0)} ({coat['batch']}) | "
+            f"{C.truncated(bf16['tokens_per_s'], 0)} ({bf16['batch']}) | "
+            f"{C.ratio(coat['tokens_per_s'], bf16['tokens_per_s'])} | "
+            f"`benchmarks/results/{rel}` |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def layer_page(folder: str) -> Callable[[Callable[[str], str]], str]:
+    """A whole ``bench_layer.py`` report page, as the benchmark writes it."""
+
+    def render(link: Callable[[str], str]) -> str:
+        records = _records(f"{folder}/layer.jsonl")
+        cmds = [r["command"] for r in records if r["kind"] == "command"]
+        return bench_layer.write_docs(None, records, cmds[-1] if cmds else "unknown")
+
+    return render
+
+
+def e2e_page(folder: str) -> Callable[[Callable[[str], str]], str]:
+    """A ``bench_e2e.py`` report, as the benchmark writes it (``--equal-batch`` as recorded)."""
+
+    def render(link: Callable[[str], str]) -> str:
+        records = _records(f"{folder}/e2e.jsonl")
+        command = bench_e2e.recorded_command(records)
+        batches = re.findall(r"--equal-batch[ =](\d+)", command)
+        equal_batch = int(batches[-1]) if batches else 1
+        return bench_e2e.write_docs(None, records, equal_batch, command)
+
+    return render
+
+
+E2E_PAGES = (
+    "e2e",
+    "e2e_group_scale",
+    "e2e_in_backward",
+    "e2e_in_backward_in_place",
+    "e2e_llama3_8b",
+    "e2e_llama3_8b_group_scale",
+    "e2e_llama3_8b_in_backward",
+    "e2e_once",
+)
+
+
+def records_table(rel: str, table: Callable[[list[dict]], list[str]]):
+    """A benchmark's table (its own ``table`` function) of the records in ``rel``."""
+
+    def render(link: Callable[[str], str]) -> str:
+        return "\n".join(table(_records(rel))) + "\n"
+
+    return render
+
+
+def accuracy_page(link: Callable[[str], str]) -> str:
+    """The accuracy report above its notes, as ``accuracy.py --report`` writes it."""
+    return accuracy.report_text(_records("accuracy/accuracy.jsonl"), "accuracy.png")
+
+
+BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
+    "accuracy": accuracy_page,
+    "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
+    "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
+    "headline": headline,
+    "headline_commands": headline_commands,
+    "history": history,
+    "fp8_rowwise": layer_page("fp8_rowwise"),
+    **{name: e2e_page(name) for name in E2E_PAGES},
+}
+
+
+def targets() -> list[Path]:
+    out = []
+    for t in TARGETS:
+        p = ROOT / t
+        out += sorted(p.rglob("*.md")) if p.is_dir() else [p]
+    return out
+
+
+def render_file(path: Path) -> tuple[str, list[str]]:
+    """``path``'s text with every block rendered afresh, and the names of its blocks."""
+    text = path.read_text()
+    names = []
+
+    def link(page: str) -> str:
+        return os.path.relpath(ROOT / "docs" / page, path.parent)
+
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in BLOCKS:
+            raise ValueError(f"{path}: unknown rendered block {name!r}; known: {sorted(BLOCKS)}")
+        names.append(name)
+        return m.group(1) + BLOCKS[name](link) + m.group(4)
+
+    return BLOCK.sub(sub, text), names
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="only report blocks that differ")
+    args = p.parse_args(argv)
+    stale = []
+    for path in targets():
+        fresh, names = render_file(path)
+        if fresh == path.read_text():
+            continue
+        rel = path.relative_to(ROOT)
+        if args.check:
+            stale.append(f"{rel} ({', '.join(names)})")
+        else:
+            path.write_text(fresh)
+            print(f"rendered {rel}: {', '.join(names)}")
+    if stale:
+        print("stale rendered blocks (run python benchmarks/render.py): " + "; ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
