@@ -1,9 +1,9 @@
-"""Test-session settings that make the CPU suite compile less; loaded before any test module.
+"""Test-run settings that make the CPU suite compile less; loaded before any test module.
 
 Most of the suite's time on a CPU is XLA compiling small programs, many of them the same program
 compiled again by another test, another pytest-xdist worker or a ``train.py`` child process.
 
-- One persistent JAX compilation cache for the whole session (a temporary folder shared by the
+- One persistent JAX compilation cache for the whole test run (a temporary folder shared by the
   workers and every child process through the environment), so a program compiled once is loaded
   from disk after that. Tests that pass ``compilation_cache_dir=...`` to the trainer still get
   their own.

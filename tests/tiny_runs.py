@@ -8,7 +8,7 @@ from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 
 
 def compilation_cache(folder) -> str:
-    """The trainer override for JAX's compilation cache: the test session's (conftest.py), so
+    """The trainer override for JAX's compilation cache: the test run's (conftest.py), so
     that a program another test compiled loads from disk, else ``folder``."""
     return f"compilation_cache_dir={os.environ.get('JAX_COMPILATION_CACHE_DIR', folder)}"
 

@@ -132,7 +132,7 @@ def test_batch_size_auto_fits_a_fake_limit_and_is_refused_without_one():
     with pytest.raises(ValueError, match="backend reports none; set batch_size to a number"):
         plan.resolve_batch(cfg)
     # The limit: the peak of batch 1. Batch 2's program is the bf16 recipe test's (TINY), which
-    # the session's compilation cache holds when that test ran first.
+    # the test run's compilation cache holds when that test ran first.
     fixed = dataclasses.replace(cfg, batch_size=1)
     limit = plan.compiled_peak(build_program(fixed, fixed.model), 1)
     said = []

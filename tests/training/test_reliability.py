@@ -401,7 +401,7 @@ def test_sigterm_saves_within_a_step(tmp_path, caches):
 
 def test_sigterm_during_the_first_compilation_stops_at_once(tmp_path, caches):
     out = tmp_path / "run"
-    # No compilation cache (the trainer's nor the test session's): the first step compiles for
+    # No compilation cache (the trainer's nor the test run's): the first step compiles for
     # seconds, and the signal comes in them.
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     proc = child("train.py", *mini_args(out, caches, LONG, "compilation_cache_dir=null"), env=env)
