@@ -103,14 +103,24 @@ def _llama3_from_rope_freqs(rope_freqs: np.ndarray, config_kwargs) -> RopeScalin
     return scaling
 
 
+def gguf_package():
+    """The ``gguf`` package, an optional dependency: one line naming the extra when it is
+    missing."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError(
+            "reading GGUF files needs the gguf package: pip install 'coat-jax[gguf]'"
+        ) from e
+    return gguf
+
+
 class GGUFSource:
     """A Llama `.gguf` file: `config` plus tensors by Hugging Face name (float32, HF layout)."""
 
     def __init__(self, path: str | os.PathLike):
-        from gguf import GGUFReader
-
         self.path = os.fspath(path)
-        self.reader = GGUFReader(self.path)
+        self.reader = gguf_package().GGUFReader(self.path)
         arch = _field(self.reader, "general.architecture")
         if arch != "llama":
             raise ValueError(
@@ -163,8 +173,7 @@ class GGUFSource:
 
     @staticmethod
     def _dequantize(t) -> np.ndarray:
-        from gguf import dequantize
-
+        dequantize = gguf_package().dequantize
         # GGUF lists dims fastest-first; numpy (and HF) order is the reverse.
         shape = tuple(int(d) for d in reversed(t.shape))
         return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
@@ -218,7 +227,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     here from the tokens, merges and pre-tokenizer type. SentencePiece ones (`"llama"`: Llama 2)
     go through transformers' own GGUF tokenizer conversion.
     """
-    from gguf import GGUFReader
+    GGUFReader = gguf_package().GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

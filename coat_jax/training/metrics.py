@@ -164,8 +164,12 @@ class MetricsLog:
 
 def plot_loss_curve(records: list[dict], path: Path, title: str) -> None:
     """Training loss (and validation loss where logged) against step, as a PNG."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(
+            "the trainer's loss curve needs matplotlib: pip install 'coat-jax[train]'"
+        ) from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
