@@ -1,10 +1,19 @@
 """The families beyond Llama (Mistral, Qwen2, Qwen3, OLMo 2) against transformers' float32
 models, in every precision and layout, and exported back to their own transformers classes."""
 
-import jax.numpy as jnp
-import pytest
+import dataclasses
 
-from coat_jax.checkpoint_io import from_pretrained
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from coat_jax.checkpoint_io import SafetensorsSource, from_pretrained, save_pretrained
+from coat_jax.convert import main as convert_main
+from coat_jax.llama import Llama, LlamaConfig, rope_inv_freq
+from coat_jax.memory import residuals
 from tests.llama_reference import rel_err, token_ids, torch_logits
 
 SEQ = 160
@@ -81,3 +90,131 @@ def test_float32_logits_match_transformers(saved, family, scan_layers):
     got = model(jnp.asarray(ids))
     assert got.shape == want.shape
     assert rel_err(got, want) <= 1e-4
+
+
+def _loss_and_grads(model, ids):
+    graphdef, state = nnx.split(model)
+
+    def loss(s):
+        logits = nnx.merge(graphdef, s)(ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    return jax.jit(jax.value_and_grad(loss))(state)
+
+
+# Every precision once (on qwen2, whose biases sit beside the linear of each), and each family
+# whose layer runs ops Llama's does not (q/k norms, post-norms) in "coat", where those norms are
+# FP8 ops. Mistral's layer is Llama's. Each case is one compile, so the grid is not full.
+PRECISION_CASES = [
+    ("qwen2", "bf16"),
+    ("qwen2", "fp8"),
+    ("qwen2", "coat"),
+    ("qwen3", "coat"),
+    ("olmo2", "coat"),
+]
+
+
+@pytest.mark.parametrize("family, precision", PRECISION_CASES)
+def test_one_train_step_is_finite(saved, family, precision):
+    cases, ids = saved
+    model = from_pretrained(cases[family][0], precision=precision, scan_layers=True)
+    loss, grads = _loss_and_grads(model, jnp.asarray(ids[:, :33]))
+    assert np.isfinite(float(loss))
+    for path, g in nnx.to_flat_state(grads):
+        g = np.asarray(g.get_value(), np.float32)
+        # Every parameter, the family's biases and norms included, gets a gradient.
+        assert np.isfinite(g).all() and np.abs(g).max() > 0, path
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_coat_layer_keeps_only_fp8_besides_attention(saved, family):
+    """As for Llama (tests/fp8/test_fp8_ops.py::unscaled_activations): in precision "coat" the
+    only activation-sized tensors a layer keeps that are not FP8 codes or their 1x16 scales
+    are attention's q, k and v; the family's q/k norms and post-norms keep FP8 and the biases
+    keep nothing."""
+    config = LlamaConfig.from_hf(saved[0][family][0])
+    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    b, t = 2, 32
+    want = [((b, t, n, h), "bfloat16"), ((b, t, k, h), "bfloat16"), ((b, t, k, h), "bfloat16")]
+    assert unscaled_activations(config, "coat") == sorted(want)
+    # The check can fail: the same layer in "bf16" keeps BF16 activations of every op.
+    assert len(unscaled_activations(config, "bf16")) > 3
+
+
+def unscaled_activations(config, precision, b=2, t=32):
+    """The activation residuals of one decoder layer that are neither FP8 codes nor their 1x16
+    scales nor per-row statistics: ``[(shape, dtype name)]``, sorted."""
+    model = Llama(config, precision=precision, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model.layers[0])
+    ops, inv_freq = model.ops(), rope_inv_freq(config)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    layer = lambda s, x: nnx.merge(graphdef, s)(x, positions, inv_freq, ops)
+    x = jax.ShapeDtypeStruct((b, t, config.hidden_size), jnp.bfloat16)
+    kept = residuals(layer, state, x, param_argnums=(0,))
+    dims = {config.hidden_size, config.intermediate_size}
+    dims |= {
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    }
+    unscaled = [
+        (r.shape, jnp.dtype(r.dtype).name)
+        for r in kept
+        if r.is_activation
+        and r.shape
+        and r.dtype not in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+        and r.shape[-1] != 1  # RMSNorm's one 1/rms per row
+        and not (r.dtype == jnp.float32 and r.shape[-1] * 16 in dims | {config.head_dim})
+        and np.prod(r.shape) >= b * t * config.hidden_size // 16
+    ]
+    return sorted(unscaled)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_export_loads_in_its_transformers_class_with_the_same_logits(saved, family, tmp_path):
+    import transformers
+
+    cases, ids = saved
+    folder, torch_model, want = cases[family]
+    model = from_pretrained(folder, dtype=jnp.float32)
+    save_pretrained(model, tmp_path / "hf", format="hf")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(reloaded) is type(torch_model)
+    np.testing.assert_array_equal(torch_logits(reloaded, ids), want)
+    # python -m coat_jax.convert: HF -> coat-jax -> HF, every tensor bit for bit.
+    assert convert_main(["hf-to-jax", str(folder), str(tmp_path / "jax")]) == 0
+    assert convert_main(["jax-to-hf", str(tmp_path / "jax"), str(tmp_path / "back")]) == 0
+    original, back = SafetensorsSource(str(folder)), SafetensorsSource(str(tmp_path / "back"))
+    assert sorted(back.names()) == sorted(original.names())
+    for name in original.names():
+        np.testing.assert_array_equal(back.get(name), original.get(name), err_msg=name)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert config.model_type == family
+
+
+@pytest.mark.parametrize(
+    "family, overrides, message",
+    [
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+        ("qwen3", {"attention_bias": True}, "attention_bias=True is not supported"),
+        ("olmo2", {"attention_bias": True}, "attention_bias=True is not supported"),
+        ("qwen3", {"layer_types": ["sliding_attention"] * 2}, "layer_types"),
+        ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ("mistral", {"model_type": "mixtral"}, "model_type='mixtral' is not supported"),
+    ],
+)
+def test_unsupported_switches_are_refused_in_one_line(saved, family, overrides, message):
+    d = {**saved[0][family][1].config.to_dict(), **overrides}
+    with pytest.raises(ValueError, match=message) as err:
+        LlamaConfig.from_hf(d)
+    assert "\n" not in str(err.value)
+
+
+def test_attention_past_the_sliding_window_is_refused(saved):
+    config = LlamaConfig.from_hf(saved[0]["mistral"][0])
+    model = Llama(dataclasses.replace(config, sliding_window=16), rngs=nnx.Rngs(0))
+    logits = lambda t: jax.eval_shape(lambda: model(jnp.zeros((1, t), jnp.int32)))
+    assert logits(16).shape == (1, 16, config.vocab_size)
+    with pytest.raises(ValueError, match="exceeds sliding_window=16; this port has no"):
+        logits(17)
+    with pytest.raises(ValueError, match="sliding_window=8 is not a switch of model_type='qwen2'"):
+        dataclasses.replace(config, model_type="qwen2", sliding_window=8)
