@@ -1,6 +1,6 @@
 """Write a tiny random Hugging Face checkpoint of a model family, for fine-tuning on a CPU.
 
-  python tools/tiny_checkpoint.py qwen2 runs/qwen2_tiny_hf
+  python -m tools.tiny_checkpoint qwen2 runs/qwen2_tiny_hf
   python train.py --config configs/qwen2_tiny_finetune.yaml
 
 The folder loads in the family's transformers class (``AutoModelForCausalLM``) and in

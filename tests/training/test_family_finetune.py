@@ -5,9 +5,11 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from coat_jax.checkpoint_io import read_config
+from coat_jax.checkpoint_io import from_pretrained, read_config
+from coat_jax.convert import main as convert_main
 from coat_jax.training import load_config, train
 from tools.tiny_checkpoint import write_tiny_checkpoint
 
@@ -24,7 +26,7 @@ QUICK = [
 ]
 
 
-def test_qwen2_fine_tunes_from_init_from_and_resumes_bit_for_bit(tmp_path):
+def test_qwen2_fine_tunes_from_init_from_resumes_bit_for_bit_and_exports(tmp_path):
     write_tiny_checkpoint("qwen2", tmp_path / "hf")
     assert read_config(tmp_path / "hf").family.qkv_bias
 
@@ -44,3 +46,19 @@ def test_qwen2_fine_tunes_from_init_from_and_resumes_bit_for_bit(tmp_path):
     as_bytes = lambda tree: [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
     assert as_bytes(resumed.params) == as_bytes(straight.params)
     assert as_bytes(resumed.opt_state) == as_bytes(straight.opt_state)
+
+    # run-to-hf: transformers loads Qwen2ForCausalLM with the run's weights, biases included,
+    # and gives coat-jax's float32 logits.
+    import torch
+    import transformers
+
+    assert convert_main(["run-to-hf", str(tmp_path / "straight"), str(tmp_path / "export")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert type(reloaded).__name__ == "Qwen2ForCausalLM"
+    bias = reloaded.model.layers[0].self_attn.q_proj.bias.detach().numpy()
+    assert np.abs(bias).max() > 0  # trained away from its zero start
+    ids = np.arange(24, dtype=np.int32)[None] % 258
+    want = from_pretrained(tmp_path / "export", dtype=jnp.float32)(jnp.asarray(ids))
+    with torch.no_grad():
+        got = reloaded(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-4)
