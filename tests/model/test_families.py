@@ -12,6 +12,7 @@ from flax import nnx
 
 from coat_jax.checkpoint_io import SafetensorsSource, from_pretrained, save_pretrained
 from coat_jax.convert import main as convert_main
+from coat_jax.generate import generate_ids
 from coat_jax.llama import Llama, LlamaConfig, rope_inv_freq
 from coat_jax.memory import residuals
 from tests.llama_reference import rel_err, token_ids, torch_logits
@@ -218,3 +219,35 @@ def test_attention_past_the_sliding_window_is_refused(saved):
         logits(17)
     with pytest.raises(ValueError, match="sliding_window=8 is not a switch of model_type='qwen2'"):
         dataclasses.replace(config, model_type="qwen2", sliding_window=8)
+
+
+@pytest.mark.parametrize("family", ["olmo2", "qwen3"])
+def test_cached_greedy_decode_matches_transformers(saved, family):
+    """Decoding runs the family's layer with a KV cache (norms of q and k before the cache,
+    post-norms after attention): transformers' greedy tokens, one by one."""
+    import torch
+
+    folder, torch_model, _ = saved[0][family]
+    prompt = [int(i) for i in saved[1][0, :7]]
+    with torch.no_grad():
+        out = torch_model.generate(
+            torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
+    want = out[0, len(prompt) :].tolist()
+    model = from_pretrained(folder, dtype=jnp.float32)
+    assert generate_ids(model, [prompt], 5) == [want]
+
+
+@pytest.mark.parametrize("fp8_attention", [False, True])
+@pytest.mark.parametrize("family", ["olmo2", "qwen3"])
+def test_activation_names_follow_what_the_layer_records(saved, family, fp8_attention):
+    """The activation telemetry names each 1xG-scaled tensor of a layer (``group_scaled``, by
+    family: q/k norms, post-norms); the layer records exactly that many. Qwen2's and Mistral's
+    are Llama's."""
+    config = LlamaConfig.from_hf(saved[0][family][0])
+    model = Llama(config, precision="coat", fp8_attention=fp8_attention, rngs=nnx.Rngs(0))
+    ids = jnp.zeros((1, 16), jnp.int32)
+    _, scales = jax.eval_shape(lambda: model.observed_hidden_states(ids, jnp.bool_(True)))
+    names, n_layers = model.activation_names(), config.num_hidden_layers
+    assert scales["layers"]["group"]["max"].shape == (n_layers, len(names["group"]))
+    assert scales["layers"]["linear"].shape == (n_layers, len(names["linear"]))
