@@ -16,6 +16,7 @@ from coat_jax.generate import generate_ids
 from coat_jax.llama import Llama, LlamaConfig, rope_inv_freq
 from coat_jax.memory import residuals
 from tests.llama_reference import rel_err, token_ids, torch_logits
+from tests.model.test_gguf import write_gguf
 
 SEQ = 160
 COMMON = dict(
@@ -251,3 +252,13 @@ def test_activation_names_follow_what_the_layer_records(saved, family, fp8_atten
     names, n_layers = model.activation_names(), config.num_hidden_layers
     assert scales["layers"]["group"]["max"].shape == (n_layers, len(names["group"]))
     assert scales["layers"]["linear"].shape == (n_layers, len(names["linear"]))
+
+
+def test_qwen2_gguf_matches_transformers(saved, tmp_path):
+    """A Qwen2 GGUF as llama.cpp writes it (biases, q/k rows unpermuted) loads as qwen2."""
+    cases, ids = saved
+    _, torch_model, want = cases["qwen2"]
+    path = write_gguf(torch_model, str(tmp_path / "qwen2.gguf"), arch="qwen2")
+    model = from_pretrained(path, dtype=jnp.float32, scan_layers=True)
+    assert model.config.model_type == "qwen2" and model.config.tie_word_embeddings
+    assert rel_err(model(jnp.asarray(ids)), want) <= 1e-4
