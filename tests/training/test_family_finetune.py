@@ -1,6 +1,7 @@
 """A family other than Llama fine-tuned by the trainer from a tiny random checkpoint that
 tools/tiny_checkpoint.py writes, with configs/qwen2_tiny_finetune.yaml, on the CPU."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import numpy as np
 
 from coat_jax.checkpoint_io import from_pretrained, read_config
 from coat_jax.convert import main as convert_main
+from coat_jax.llama import LlamaConfig
 from coat_jax.training import load_config, train
+from coat_jax.training.model import llama_config_dict, llama_config_from_dict
 from tools.tiny_checkpoint import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,3 +65,20 @@ def test_qwen2_fine_tunes_from_init_from_resumes_bit_for_bit_and_exports(tmp_pat
     with torch.no_grad():
         got = reloaded(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_the_checkpoint_fingerprint_names_a_family_only_beyond_llama():
+    """A Llama's architecture is recorded without the family keys, as before there were
+    families, so its checkpoints resume; any other family's round-trips with them."""
+    llama = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+    )
+    assert not {"model_type", "sliding_window"} & set(llama_config_dict(llama))
+    assert llama_config_from_dict(llama_config_dict(llama)) == llama
+    mistral = dataclasses.replace(llama, model_type="mistral", sliding_window=4096)
+    assert llama_config_dict(mistral)["model_type"] == "mistral"
+    assert llama_config_from_dict(llama_config_dict(mistral)) == mistral
