@@ -104,7 +104,8 @@ class LlamaConfig:
     "qwen3", "olmo2"), whose switches (:attr:`family`) shape the layers. `rope_scaling` accepts
     a `RopeScaling` or an HF-style dict (converted on construction, so the config stays
     hashable). `head_dim=None` means `hidden_size // num_attention_heads`. `sliding_window`
-    (Mistral only): the attention window; a longer sequence is refused.
+    (Mistral only): each query attends to at most this many latest positions (the model's own
+    attention; decoding with a cache and FP8 attention refuse sequences past it).
     """
 
     vocab_size: int = 32000

@@ -40,16 +40,20 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
     return x_BTNH * cos + rotated * sin
 
 
-def _model_attention(dtype, implementation: str):
+def _model_attention(dtype, implementation: str, window: int | None = None):
     """Causal :func:`coat_jax.attention.attend` on the kernel ``implementation`` resolves to;
     XLA's under ``jax.checkpoint``, since it would keep the [B, N, T, T] probabilities."""
     impl = attention.attention_implementation(dtype, implementation)
-    attend_fn = functools.partial(attention.attend, is_causal=True, implementation=impl)
+    attend_fn = functools.partial(
+        attention.attend, is_causal=True, implementation=impl, window=window
+    )
     return jax.checkpoint(attend_fn) if impl == "xla" else attend_fn
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def causal_attention(q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto") -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def causal_attention(
+    q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto", window: int | None = None
+) -> jax.Array:
     """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
 
     On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
@@ -57,18 +61,19 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto") -> ja
     (`jax.checkpoint` keeps the inputs only; docs/design.md, 'The precision flow'). Whatever the
     implementation keeps is tagged `ATTENTION` for the remat policies: the forward is
     `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
-    ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`.
+    ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`; ``window``
+    (static): a sliding window, as :func:`coat_jax.attention.attend`'s, or ``None``.
     """
-    return _model_attention(q_BTNH.dtype, implementation)(q_BTNH, k_BTKH, v_BTKH)
+    return _model_attention(q_BTNH.dtype, implementation, window)(q_BTNH, k_BTKH, v_BTKH)
 
 
-def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto"):
-    attend_fn = _model_attention(q_BTNH.dtype, implementation)
+def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto", window=None):
+    attend_fn = _model_attention(q_BTNH.dtype, implementation, window)
     out, pullback = jax.vjp(attend_fn, q_BTNH, k_BTKH, v_BTKH)
     return out, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION), pullback)
 
 
-def _causal_attention_bwd(implementation, pullback, dout):
+def _causal_attention_bwd(implementation, window, pullback, dout):
     return pullback(dout)
 
 
@@ -163,13 +168,24 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(q_dim, eps, param_dtype=param_dtype)
             self.k_norm = RMSNorm(k_dim, eps, param_dtype=param_dtype)
 
-    def _check_window(self, keys: int):
-        if self.sliding_window is not None and keys > self.sliding_window:
+    def _window(self, keys: int, ops, cache) -> int | None:
+        """The sliding window the attention over ``keys`` positions needs (``None``: none, or
+        one that every query's keys fit). The model's own attention (:func:`causal_attention`)
+        applies it; decoding with a cache and FP8 attention have none, and refuse a window
+        they would need."""
+        if self.sliding_window is None or keys <= self.sliding_window:
+            return None
+        own = ops.attention is None or (
+            isinstance(ops.attention, functools.partial) and ops.attention.func is causal_attention
+        )
+        if cache is not None or ops.attention_linear is not None or not own:
+            where = "decoding with a cache" if cache is not None else "FP8 attention"
             raise ValueError(
-                f"attention over {keys} positions exceeds sliding_window={self.sliding_window}; "
-                "this port has no sliding-window attention: use sequences (and caches) of at "
-                "most sliding_window tokens"
+                f"attention over {keys} positions exceeds sliding_window={self.sliding_window} "
+                f"and {where} has no sliding window: keep sequences within the window, or use "
+                "the model's own attention (fp8_attention=False) to train on longer ones"
             )
+        return self.sliding_window
 
     def _projections(self, x_BTD, ops, codes):
         """q, k, v as ``[B, T, heads, head_dim]`` before RoPE: the one linear call, then the
@@ -198,7 +214,7 @@ class Attention(nnx.Module):
         n, hd = self.num_heads, self.head_dim
         q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD, ops, codes)
         b, t = x_BTD.shape[:2]
-        self._check_window(t if cache is None else cache.k.shape[1])
+        window = self._window(t if cache is None else cache.k.shape[1], ops, cache)
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
         o_proj = _linear_weights(self, ("o_proj",), codes)
@@ -207,7 +223,10 @@ class Attention(nnx.Module):
             return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj), cache
         if ops.attention_linear is not None:
             return ops.attention_linear(q_BTNH, k_BTKH, v_BTKH, o_proj)
-        out_BTNH = (ops.attention or causal_attention)(q_BTNH, k_BTKH, v_BTKH)
+        attend = ops.attention or causal_attention
+        if window is not None:
+            attend = functools.partial(attend, window=window)
+        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH)
         return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj)
 
 

@@ -70,8 +70,9 @@ class Family:
       post_norms: OLMo 2's placement: no norm before attention and MLP; their outputs are
         normed (``post_attention_layernorm``, ``post_feedforward_layernorm``) before the
         residual add.
-      sliding_window: the config's ``sliding_window`` is read (Mistral); attention longer than
-        the window is refused.
+      sliding_window: the config's ``sliding_window`` is read (Mistral) and the model's own
+        attention keeps to it; decoding with a cache and FP8 attention refuse sequences past
+        it.
       fixed: Hugging Face config keys with the only value this port supports; a config that sets
         another value is refused, naming the key. ``config.json`` on export writes them.
       layer_map: a decoder layer's name map (:data:`LLAMA_LAYER_MAP`'s form).

@@ -1,4 +1,4 @@
-"""Mistral: Llama's layer, with sliding-window attention (refused past the window)."""
+"""Mistral: Llama's layer, with sliding-window attention."""
 
 from coat_jax.families.base import Family
 

@@ -48,14 +48,14 @@ FAMILIES = {
 }
 
 
-def hf_model(family: str, seed: int = 0):
+def hf_model(family: str, seed: int = 0, **overrides):
     """A random transformers model of ``family`` (float32, eval): weights and biases wider than
     the 0.02 init, norms away from 1, so every tensor matters for the logits."""
     import torch
     import transformers
 
     prefix, extra = FAMILIES[family]
-    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **extra})
+    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():
@@ -211,13 +211,26 @@ def test_unsupported_switches_are_refused_in_one_line(saved, family, overrides, 
     assert "\n" not in str(err.value)
 
 
-def test_attention_past_the_sliding_window_is_refused(saved):
-    config = LlamaConfig.from_hf(saved[0]["mistral"][0])
-    model = Llama(dataclasses.replace(config, sliding_window=16), rngs=nnx.Rngs(0))
-    logits = lambda t: jax.eval_shape(lambda: model(jnp.zeros((1, t), jnp.int32)))
-    assert logits(16).shape == (1, 16, config.vocab_size)
-    with pytest.raises(ValueError, match="exceeds sliding_window=16; this port has no"):
-        logits(17)
+def test_mistral_sliding_window_matches_transformers(saved, tmp_path):
+    """A window shorter than the sequence: transformers' float32 logits; decoding with a cache
+    and FP8 attention, which have no window, refuse attention past it in one line."""
+    torch_model = hf_model("mistral", sliding_window=48)
+    torch_model.save_pretrained(tmp_path)
+    ids = saved[1]
+    model = from_pretrained(tmp_path, dtype=jnp.float32, scan_layers=True)
+    assert model.config.sliding_window == 48
+    want = torch_logits(torch_model, ids)
+    assert rel_err(model(jnp.asarray(ids)), want) <= 1e-4
+    # The window matters: the same weights with a window past the sequence differ.
+    assert rel_err(want, saved[0]["mistral"][2]) > 1e-3
+    with pytest.raises(ValueError, match="exceeds sliding_window=48 and decoding with a cache"):
+        generate_ids(model, [list(range(40))], 10)
+    fp8 = from_pretrained(tmp_path, precision="coat", fp8_attention=True)
+    logits = lambda t: jax.eval_shape(lambda: fp8(jnp.zeros((1, t), jnp.int32)))
+    assert logits(48).shape == (1, 48, COMMON["vocab_size"])
+    with pytest.raises(ValueError, match="exceeds sliding_window=48 and FP8 attention has no"):
+        logits(49)
+    config = model.config
     with pytest.raises(ValueError, match="sliding_window=8 is not a switch of model_type='qwen2'"):
         dataclasses.replace(config, model_type="qwen2", sliding_window=8)
 
