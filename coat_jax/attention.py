@@ -120,13 +120,21 @@ def attention_implementation(dtype, choice: str = "auto") -> str:
     return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
 
 
-def attend(q, k, v, *, is_causal: bool, implementation: str, mask=None):
+def attend(q, k, v, *, is_causal: bool, implementation: str, mask=None, window=None):
     """``jax.nn.dot_product_attention`` of q ``[B, T, N, H]`` and k, v ``[B, S, K, H]`` (GQA),
     scale ``1/sqrt(H)``, on ``implementation`` (``"cudnn"`` or ``"xla"``, as
     :func:`attention_implementation` resolves it); ``mask`` (boolean, broadcast to ``[B, N, T,
-    S]``): which keys each query may attend to, besides the causal mask."""
+    S]``): which keys each query may attend to, besides the causal mask; ``window`` (an int):
+    each query attends to at most the ``window`` latest keys, itself included (Mistral's
+    sliding window, as transformers masks it)."""
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=is_causal, implementation=implementation
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation,
     )
 
 

@@ -1,7 +1,8 @@
-"""Llama weights in and out: Hugging Face safetensors, the coat-jax format, and GGUF.
+"""Decoder weights (any family of :mod:`coat_jax.families`) in and out: Hugging Face safetensors, the coat-jax format, and GGUF.
 
-The Hugging Face <-> coat-jax correspondence is one declarative name map (`name_map`): each
-parameter of `coat_jax.Llama` has exactly one HF tensor and one small named transform. Loading
+The Hugging Face <-> coat-jax correspondence is one declarative name map (`name_map`, a decoder
+layer's part from the config's family): each parameter of `coat_jax.Llama` has exactly one HF
+tensor and one small named transform. Loading
 streams: the model is built abstractly (`nnx.eval_shape`, no random init) and each tensor is read
 alone (safetensors `safe_open` memory-maps the file), checked, cast to the parameter dtype and put
 on the device before the next one is read, so no second full copy of the model ever exists.
@@ -18,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from coat_jax.families import IDENTITY, TRANSPOSE, Transform
 from coat_jax.llama import Llama, LlamaConfig, check_precision
 
 COAT_JAX_MARKER = "coat_jax.json"
@@ -51,32 +53,6 @@ _IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.in
 
 
 @dataclasses.dataclass(frozen=True)
-class Transform:
-    """A named, invertible array transform of the name map (HF layout -> coat-jax layout)."""
-
-    name: str
-    forward: Callable[[np.ndarray], np.ndarray]
-    inverse: Callable[[np.ndarray], np.ndarray]
-
-
-IDENTITY = Transform("identity", lambda a: a, lambda a: a)
-# HF linear weights are [out, in]; coat-jax multiplies x @ w with w [in, out].
-TRANSPOSE = Transform("transpose", lambda a: a.T, lambda a: a.T)
-
-_LAYER_MAP = (
-    ("input_layernorm.weight", "input_layernorm.weight", IDENTITY),
-    ("self_attn.q_proj.weight", "self_attn.q_proj", TRANSPOSE),
-    ("self_attn.k_proj.weight", "self_attn.k_proj", TRANSPOSE),
-    ("self_attn.v_proj.weight", "self_attn.v_proj", TRANSPOSE),
-    ("self_attn.o_proj.weight", "self_attn.o_proj", TRANSPOSE),
-    ("post_attention_layernorm.weight", "post_attention_layernorm.weight", IDENTITY),
-    ("mlp.gate_proj.weight", "mlp.gate_proj", TRANSPOSE),
-    ("mlp.up_proj.weight", "mlp.up_proj", TRANSPOSE),
-    ("mlp.down_proj.weight", "mlp.down_proj", TRANSPOSE),
-)
-
-
-@dataclasses.dataclass(frozen=True)
 class MapEntry:
     hf_name: str
     jax_name: str
@@ -88,7 +64,8 @@ def name_map(config: LlamaConfig) -> list[MapEntry]:
     entries = [MapEntry("model.embed_tokens.weight", "embed_tokens", IDENTITY)]
     for i in range(config.num_hidden_layers):
         entries += [
-            MapEntry(f"model.layers.{i}.{hf}", f"layers.{i}.{jx}", t) for hf, jx, t in _LAYER_MAP
+            MapEntry(f"model.layers.{i}.{hf}", f"layers.{i}.{jx}", t)
+            for hf, jx, t in config.family.layer_map
         ]
     entries.append(MapEntry("model.norm.weight", "norm.weight", IDENTITY))
     if not config.tie_word_embeddings:

@@ -1,4 +1,5 @@
-"""Convert Llama checkpoints between Hugging Face, coat-jax, GGUF and train.py runs.
+"""Convert checkpoints (any family of coat_jax.families) between Hugging Face, coat-jax, GGUF
+and train.py runs.
 
 commands:
   hf-to-jax SRC DST     a Hugging Face folder to the coat-jax layout (bit-exact)
@@ -7,7 +8,8 @@ commands:
   run-to-hf RUN DST     a train.py run's newest (or --step) checkpoint to a Hugging Face folder
                         with the run's tokenizer; only the parameters are read
 
-Every Hugging Face folder written loads with transformers' LlamaForCausalLM.from_pretrained and
+Every Hugging Face folder written loads with its family's transformers class (LlamaForCausalLM,
+Qwen2ForCausalLM, ...; AutoModelForCausalLM.from_pretrained) and
 AutoTokenizer.from_pretrained. Tensors stream one at a time.
 """
 
@@ -177,7 +179,8 @@ def export_run_to_hf(
     dtype: str = "float32",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> ExportResult:
-    """Writes a run's checkpoint as a Hugging Face Llama folder that transformers loads.
+    """Writes a run's checkpoint as a Hugging Face folder that transformers loads (the
+    class of the run's model family).
 
     Args:
       run_dir: the run's output_dir.

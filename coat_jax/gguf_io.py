@@ -1,9 +1,10 @@
-"""Llama-architecture GGUF files (llama.cpp) as a tensor source and a tokenizer.
+"""GGUF files (llama.cpp) of architecture `llama` or `qwen2` as a tensor source and a tokenizer.
 
 `GGUFSource` reads the model config from the GGUF metadata and serves each tensor under its
-Hugging Face name, dequantized to float32 by the `gguf` package and, for q_proj/k_proj, with
-llama.cpp's RoPE row permutation undone (docs/design.md, 'Checkpoints'), so `checkpoint_io`
-loads it with the same name map as a Hugging Face folder.
+Hugging Face name, dequantized to float32 by the `gguf` package and, for a Llama's
+q_proj/k_proj, with llama.cpp's RoPE row permutation undone (docs/design.md, 'Checkpoints';
+llama.cpp keeps Qwen2's rows in Hugging Face's order), so `checkpoint_io` loads it with the same
+name map as a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGUF architectures read, by the model_type (coat_jax.families) they load as.
+ARCHITECTURES = ("llama", "qwen2")
 # llama.cpp stores Llama 3.1+ RoPE scaling as per-frequency divisors in this tensor.
 _ROPE_FREQS = "rope_freqs.weight"
 # Every Llama 3.1/3.2/3.3 release uses these; the factor is read from the tensor itself.
@@ -48,8 +51,8 @@ def gguf_to_hf_name(name: str) -> str:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.fullmatch(name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    raise ValueError(f"GGUF tensor {name!r} is not part of a Llama model")
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"GGUF tensor {name!r} is not part of a Llama or Qwen2 model")
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -116,15 +119,16 @@ def gguf_package():
 
 
 class GGUFSource:
-    """A Llama `.gguf` file: `config` plus tensors by Hugging Face name (float32, HF layout)."""
+    """A Llama or Qwen2 `.gguf` file: `config` plus tensors by Hugging Face name (float32, HF
+    layout)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self.reader = gguf_package().GGUFReader(self.path)
         arch = _field(self.reader, "general.architecture")
-        if arch != "llama":
+        if arch not in ARCHITECTURES:
             raise ValueError(
-                f"{self.path} is a GGUF of architecture {arch!r}; only 'llama' is supported"
+                f"{self.path} is a GGUF of architecture {arch!r}; supported: {list(ARCHITECTURES)}"
             )
         self._tensors = {}
         rope_freqs = None
@@ -164,6 +168,7 @@ class GGUFSource:
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             max_position_embeddings=int(_field(r, f"{arch}.context_length", 2048)),
+            model_type=arch,
         )
         kwargs["rope_scaling"] = _rope_scaling(r, arch, rope_freqs, kwargs)
         return LlamaConfig(**kwargs)
@@ -180,6 +185,8 @@ class GGUFSource:
 
     def get(self, name: str) -> np.ndarray:
         w = self._dequantize(self._tensors[name])
+        if self.config.model_type != "llama":
+            return w
         if name.endswith("self_attn.q_proj.weight"):
             w = unpermute_rope_rows(w, self.config.num_attention_heads)
         elif name.endswith("self_attn.k_proj.weight"):

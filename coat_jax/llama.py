@@ -1,4 +1,7 @@
-"""Llama 2/3 decoder in Flax NNX with BF16, FP8-linear and COAT precision modes.
+"""The Llama-like decoder in Flax NNX with BF16, FP8-linear and COAT precision modes.
+
+One decoder serves the families of :mod:`coat_jax.families` (Llama 2/3, Mistral, Qwen2/2.5,
+Qwen3, OLMo 2): the config's ``model_type`` picks the family's switches.
 
 One model code path serves all three modes: every linear, RMSNorm, SiLU, product and residual add
 goes through the `OpSet` that `coat_jax.fp8_ops.ops_for(precision)` returns, so switching modes
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coat_jax.attention import attention_implementation
+from coat_jax.families import LLAMA, Family
 from coat_jax.fp8_ops import (
     ACTIVATION,
     DEFAULT_CONFIG,
@@ -138,17 +142,22 @@ LINEAR_INPUTS = ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up", "mlp.down_p
 ATTENTION_INPUTS = ("self_attn.q", "self_attn.k", "self_attn.v")
 
 
-def group_scaled(precision: str, fp8_attention: bool, swiglu: str = "coat") -> tuple[str, ...]:
-    """The 1xG-scaled tensors a decoder layer keeps, in call order (:data:`LINEAR_INPUTS`);
-    ``swiglu`` is ``FP8Config.swiglu``."""
+def group_scaled(
+    precision: str, fp8_attention: bool, swiglu: str = "coat", family: Family = LLAMA
+) -> tuple[str, ...]:
+    """The 1xG-scaled tensors a decoder layer of ``family`` keeps, in call order
+    (:data:`LINEAR_INPUTS`); ``swiglu`` is ``FP8Config.swiglu``."""
     attention = ATTENTION_INPUTS if fp8_attention else ()
     if precision != "coat":
         return attention
     if swiglu == "fused":
-        mlp = ("post_attention_layernorm", "mlp.swiglu_gate", "mlp.swiglu_up")
+        mlp = ("mlp.swiglu_gate", "mlp.swiglu_up")
     else:
-        mlp = ("post_attention_layernorm", "mlp.silu", "mlp.mul_silu", "mlp.mul_up")
-    return ("input_layernorm", *attention, *mlp)
+        mlp = ("mlp.silu", "mlp.mul_silu", "mlp.mul_up")
+    qk = ("self_attn.q_norm", "self_attn.k_norm") if family.qk_norm != "none" else ()
+    if family.post_norms:
+        return (*qk, *attention, "post_attention_layernorm", *mlp, "post_feedforward_layernorm")
+    return ("input_layernorm", *qk, *attention, "post_attention_layernorm", *mlp)
 
 
 def _model_ops(precision: str, config: FP8Config, fp8_attn: bool, dtype, recorder=None) -> OpSet:
@@ -238,10 +247,10 @@ def _layer_fn(graphdef, remat: str, ops, inv_freq, *, in_scan: bool, recording=N
 
 
 class Llama(nnx.Module):
-    """Llama causal LM: int token ids [batch, seq] -> float32 logits [batch, seq, vocab].
+    """Causal LM of any family: int token ids [batch, seq] -> float32 logits [batch, seq, vocab].
 
     Args:
-      config: the architecture.
+      config: the architecture (its ``model_type`` picks the family's switches).
       precision: "bf16" (plain ops, XLA autodiff), "fp8" (FP8 linear layers only, like
         TransformerEngine) or "coat" (COAT's full FP8 precision flow, docs/design.md, 'The
         precision flow').
@@ -368,7 +377,9 @@ class Llama(nnx.Module):
         fp8 = self.precision != "bf16"
         return {
             "linear": LINEAR_INPUTS if fp8 else (),
-            "group": group_scaled(self.precision, self.fp8_attention, self.fp8_config.swiglu)
+            "group": group_scaled(
+                self.precision, self.fp8_attention, self.fp8_config.swiglu, self.config.family
+            )
             if fp8
             else (),
             "norm": ("norm",) if self.precision == "coat" else (),

@@ -1,6 +1,8 @@
-"""The architecture of a Llama 2/3 model: :class:`LlamaConfig`, its RoPE scaling, and the RoPE
+"""The architecture of a decoder of one of the Llama-like families (Llama, Mistral, Qwen2,
+Qwen3, OLMo 2; :mod:`coat_jax.families`): :class:`LlamaConfig`, its RoPE scaling, and the RoPE
 frequencies it implies. Field names and defaults follow Hugging Face's ``LlamaConfig``, which
-:meth:`LlamaConfig.from_hf` reads and :meth:`LlamaConfig.to_hf_dict` writes.
+:meth:`LlamaConfig.from_hf` reads (any family's ``config.json``) and
+:meth:`LlamaConfig.to_hf_dict` writes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from coat_jax import families
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -94,10 +98,14 @@ def _opt_float(v):
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Architecture of a Llama 2/3 model; field names follow Hugging Face's `LlamaConfig`.
+    """Architecture of a decoder; field names follow Hugging Face's `LlamaConfig`.
 
-    `rope_scaling` accepts a `RopeScaling` or an HF-style dict (converted on construction, so
-    the config stays hashable). `head_dim=None` means `hidden_size // num_attention_heads`.
+    `model_type` names the family (`coat_jax.families.FAMILIES`: "llama", "mistral", "qwen2",
+    "qwen3", "olmo2"), whose switches (:attr:`family`) shape the layers. `rope_scaling` accepts
+    a `RopeScaling` or an HF-style dict (converted on construction, so the config stays
+    hashable). `head_dim=None` means `hidden_size // num_attention_heads`. `sliding_window`
+    (Mistral only): each query attends to at most this many latest positions (the model's own
+    attention; decoding with a cache and FP8 attention refuse sequences past it).
     """
 
     vocab_size: int = 32000
@@ -112,8 +120,21 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
+    model_type: str = "llama"
+    sliding_window: int | None = None
 
     def __post_init__(self):
+        fam = families.family(self.model_type)
+        if self.sliding_window is not None:
+            if not fam.sliding_window:
+                raise ValueError(
+                    f"sliding_window={self.sliding_window!r} is not a switch of model_type="
+                    f"{self.model_type!r}; leave it None"
+                )
+            if isinstance(self.sliding_window, bool) or not self.sliding_window > 0:
+                raise ValueError(
+                    f"sliding_window must be a positive int or None, got {self.sliding_window!r}"
+                )
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -154,12 +175,18 @@ class LlamaConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
 
+    @property
+    def family(self) -> families.Family:
+        """The switches of :attr:`model_type` (:class:`coat_jax.families.Family`)."""
+        return families.family(self.model_type)
+
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> LlamaConfig:
         """Builds the config from an HF `config.json` (a folder, the file itself, or its dict).
 
         Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
-        `rope_parameters`. Raises ValueError for a non-Llama model or features this port lacks.
+        `rope_parameters`. Raises ValueError for a `model_type` outside
+        `coat_jax.families.FAMILIES`, or a switch its family does not support, naming it.
         """
         if isinstance(path_or_dict, Mapping):
             d = dict(path_or_dict)
@@ -172,14 +199,21 @@ class LlamaConfig:
             with open(path) as f:
                 d = json.load(f)
         model_type = d.get("model_type", "llama")
-        if model_type != "llama":
-            raise ValueError(f"not a Llama config: model_type={model_type!r}, expected 'llama'")
+        fam = families.family(model_type)
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported; Llama uses 'silu'")
-        for flag in ("attention_bias", "mlp_bias"):
-            if d.get(flag, False):
-                raise ValueError(f"{flag}=True is not supported by this Llama port")
+            raise ValueError(f"hidden_act={act!r} is not supported; valid: 'silu'")
+        for key, value in fam.fixed:
+            if d.get(key, value) != value:
+                raise ValueError(
+                    f"{key}={d[key]!r} is not supported for model_type={model_type!r}; "
+                    f"valid: {value!r}"
+                )
+        layer_types = set(d.get("layer_types") or ()) - {"full_attention"}
+        if layer_types:
+            raise ValueError(
+                f"layer_types {sorted(layer_types)} are not supported; valid: 'full_attention'"
+            )
         rope_params = d.get("rope_parameters")
         if rope_params is not None:
             rope_theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
@@ -200,13 +234,16 @@ class LlamaConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
+            model_type=model_type,
+            sliding_window=d.get("sliding_window") if fam.sliding_window else None,
         )
 
     def to_hf_dict(self, torch_dtype: str | None = None) -> dict[str, Any]:
         """An HF `config.json` dict that transformers 4 and 5 both load as this model."""
+        fam = self.family
         d = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [fam.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -215,14 +252,15 @@ class LlamaConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
+            **dict(fam.fixed),
             "rope_theta": self.rope_theta,
             "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf_dict(),
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         }
+        if fam.sliding_window:
+            d["sliding_window"] = self.sliding_window
         if torch_dtype is not None:
             d["torch_dtype"] = torch_dtype
         return d

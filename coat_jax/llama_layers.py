@@ -1,5 +1,6 @@
-"""The layers of the Llama decoder in Flax NNX: RoPE, the model's attention, RMSNorm, the
-attention and MLP blocks, and the decoder layer.
+"""The layers of the decoder in Flax NNX: RoPE, the model's attention, RMSNorm, the attention
+and MLP blocks, and the decoder layer, with the switches of the config's family
+(:class:`coat_jax.families.Family`: q/k/v biases, q/k norms, OLMo 2's norm placement).
 
 Every linear, RMSNorm, SiLU, product and residual add goes through the ``ops``
 (:class:`~coat_jax.fp8_ops.OpSet`) a layer is called with, so the precision mode swaps the op
@@ -39,16 +40,20 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
     return x_BTNH * cos + rotated * sin
 
 
-def _model_attention(dtype, implementation: str):
+def _model_attention(dtype, implementation: str, window: int | None = None):
     """Causal :func:`coat_jax.attention.attend` on the kernel ``implementation`` resolves to;
     XLA's under ``jax.checkpoint``, since it would keep the [B, N, T, T] probabilities."""
     impl = attention.attention_implementation(dtype, implementation)
-    attend_fn = functools.partial(attention.attend, is_causal=True, implementation=impl)
+    attend_fn = functools.partial(
+        attention.attend, is_causal=True, implementation=impl, window=window
+    )
     return jax.checkpoint(attend_fn) if impl == "xla" else attend_fn
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def causal_attention(q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto") -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def causal_attention(
+    q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto", window: int | None = None
+) -> jax.Array:
     """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
 
     On the GPU cuDNN's flash attention keeps only q, k, v, output and log-sum-exp for backward.
@@ -56,18 +61,19 @@ def causal_attention(q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto") -> ja
     (`jax.checkpoint` keeps the inputs only; docs/design.md, 'The precision flow'). Whatever the
     implementation keeps is tagged `ATTENTION` for the remat policies: the forward is
     `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
-    ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`.
+    ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`; ``window``
+    (static): a sliding window, as :func:`coat_jax.attention.attend`'s, or ``None``.
     """
-    return _model_attention(q_BTNH.dtype, implementation)(q_BTNH, k_BTKH, v_BTKH)
+    return _model_attention(q_BTNH.dtype, implementation, window)(q_BTNH, k_BTKH, v_BTKH)
 
 
-def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto"):
-    attend_fn = _model_attention(q_BTNH.dtype, implementation)
+def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto", window=None):
+    attend_fn = _model_attention(q_BTNH.dtype, implementation, window)
     out, pullback = jax.vjp(attend_fn, q_BTNH, k_BTKH, v_BTKH)
     return out, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION), pullback)
 
 
-def _causal_attention_bwd(implementation, pullback, dout):
+def _causal_attention_bwd(implementation, window, pullback, dout):
     return pullback(dout)
 
 
@@ -149,26 +155,78 @@ class Attention(nnx.Module):
         self.v_proj = normal_param(rngs, (d, k * hd), param_dtype, std)
         self.o_proj = normal_param(rngs, (n * hd, d), param_dtype, std)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, hd
+        family = config.family
+        self.qkv_bias, self.qk_norm = family.qkv_bias, family.qk_norm
+        self.sliding_window = config.sliding_window
+        if self.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((n * hd,), param_dtype))
+            self.k_bias = nnx.Param(jnp.zeros((k * hd,), param_dtype))
+            self.v_bias = nnx.Param(jnp.zeros((k * hd,), param_dtype))
+        if self.qk_norm != "none":
+            q_dim, k_dim = (hd, hd) if self.qk_norm == "head" else (n * hd, k * hd)
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(q_dim, eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(k_dim, eps, param_dtype=param_dtype)
+
+    def _window(self, keys: int, ops, cache) -> int | None:
+        """The sliding window the attention over ``keys`` positions needs (``None``: none, or
+        one that every query's keys fit). The model's own attention (:func:`causal_attention`)
+        applies it; decoding with a cache and FP8 attention have none, and refuse a window
+        they would need."""
+        if self.sliding_window is None or keys <= self.sliding_window:
+            return None
+        own = ops.attention is None or (
+            isinstance(ops.attention, functools.partial) and ops.attention.func is causal_attention
+        )
+        if cache is not None or ops.attention_linear is not None or not own:
+            where = "decoding with a cache" if cache is not None else "FP8 attention"
+            raise ValueError(
+                f"attention over {keys} positions exceeds sliding_window={self.sliding_window} "
+                f"and {where} has no sliding window: keep sequences within the window, or use "
+                "the model's own attention (fp8_attention=False) to train on longer ones"
+            )
+        return self.sliding_window
+
+    def _projections(self, x_BTD, ops, codes):
+        """q, k, v as ``[B, T, heads, head_dim]`` before RoPE: the one linear call, then the
+        family's biases (beside the linear: their backward keeps nothing) and q/k norms."""
+        n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # One linear call for q, k and v: the shared input is quantized and saved once, and the
+        # weights stay separate (no concatenated copy lives until backward).
+        q, kk, v = ops.linear(x_BTD, _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes))
+        if self.qkv_bias:
+            q, kk, v = (
+                y + b[...].astype(y.dtype)
+                for y, b in zip((q, kk, v), (self.q_bias, self.k_bias, self.v_bias), strict=True)
+            )
+        if self.qk_norm == "full":
+            q, kk = self.q_norm(q, ops), self.k_norm(kk, ops)
+        b, t = x_BTD.shape[:2]
+        q_BTNH, k_BTKH = q.reshape(b, t, n, hd), kk.reshape(b, t, k, hd)
+        if self.qk_norm == "head":
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH, ops), self.k_norm(k_BTKH, ops)
+        return q_BTNH, k_BTKH, v.reshape(b, t, k, hd)
 
     def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
         """The attention block's output [B, T, D]; with a :class:`KVCache` ``cache``, ``(out,
         cache)``: the new tokens' keys and values written into it at ``cache.start``, and
         attention over the cache under ``cache.mask`` (decoding)."""
-        n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        # One linear call for q, k and v: the shared input is quantized and saved once, and the
-        # weights stay separate (no concatenated copy lives until backward).
-        q, kk, v = ops.linear(x_BTD, _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes))
+        n, hd = self.num_heads, self.head_dim
+        q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD, ops, codes)
         b, t = x_BTD.shape[:2]
-        q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
-        k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
-        v_BTKH = v.reshape(b, t, k, hd)
+        window = self._window(t if cache is None else cache.k.shape[1], ops, cache)
+        q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
         o_proj = _linear_weights(self, ("o_proj",), codes)
         if cache is not None:
             out_BTNH, cache = cache.attend(q_BTNH, k_BTKH, v_BTKH, ops)
             return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj), cache
         if ops.attention_linear is not None:
             return ops.attention_linear(q_BTNH, k_BTKH, v_BTKH, o_proj)
-        out_BTNH = (ops.attention or causal_attention)(q_BTNH, k_BTKH, v_BTKH)
+        attend = ops.attention or causal_attention
+        if window is not None:
+            attend = functools.partial(attend, window=window)
+        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH)
         return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj)
 
 
@@ -186,12 +244,19 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm (``x + attn(norm(x))``, then the MLP alike) or, with the family's
+    ``post_norms`` (OLMo 2), post-norm inside the residual (``x + norm(attn(x))``)."""
+
     def __init__(self, config: LlamaConfig, *, param_dtype, rngs: nnx.Rngs):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
+        eps, d = config.rms_norm_eps, config.hidden_size
+        self.post_norms = config.family.post_norms
+        if not self.post_norms:
+            self.input_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
         self.self_attn = Attention(config, param_dtype=param_dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
         self.mlp = MLP(config, param_dtype=param_dtype, rngs=rngs)
+        if self.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(d, eps, param_dtype=param_dtype)
 
     def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
         """One layer; ``codes``: this step's FP8 codes of its linear weights, by sub-module and
@@ -199,17 +264,16 @@ class DecoderLayer(nnx.Module):
         :class:`KVCache` ``cache`` (decoding), ``(x_BTD, cache)``: the layer's output and its
         cache with the new tokens' keys and values."""
         codes = codes or {}
-        h = self.self_attn(
-            self.input_layernorm(x_BTD, ops),
-            positions_BT,
-            inv_freq,
-            ops,
-            codes.get("self_attn"),
-            cache,
-        )
+        attn_in = x_BTD if self.post_norms else self.input_layernorm(x_BTD, ops)
+        h = self.self_attn(attn_in, positions_BT, inv_freq, ops, codes.get("self_attn"), cache)
         if cache is not None:
             h, cache = h
+        if self.post_norms:
+            h = self.post_attention_layernorm(h, ops)
         x_BTD = ops.add(x_BTD, h)
-        mlp = self.mlp(self.post_attention_layernorm(x_BTD, ops), ops, codes.get("mlp"))
+        mlp_in = x_BTD if self.post_norms else self.post_attention_layernorm(x_BTD, ops)
+        mlp = self.mlp(mlp_in, ops, codes.get("mlp"))
+        if self.post_norms:
+            mlp = self.post_feedforward_layernorm(mlp, ops)
         x_BTD = ops.add(x_BTD, mlp)
         return x_BTD if cache is None else (x_BTD, cache)

@@ -76,6 +76,8 @@ DESCRIPTIONS = {
     "model.rms_norm_eps": "epsilon of the RMSNorms",
     "model.tie_word_embeddings": "use the embedding matrix as the LM head too",
     "model.max_position_embeddings": "longest sequence the model is meant for (HF config field)",
+    "model.model_type": "the family: llama, mistral, qwen2, qwen3 or olmo2 (coat_jax.families)",
+    "model.sliding_window": "mistral's sliding attention window (null: none)",
     "scan_layers": "stack the decoder layers and run them with lax.scan (one compiled layer)",
     "remat": "rematerialization policy of the decoder layers (coat_jax.llama.REMAT_POLICIES)",
     # Data.

@@ -68,7 +68,8 @@ class TrainConfig:
       (``overwrite: true`` deletes them and starts anew). A resume keeps the learning-rate
       schedule of the checkpoint's run even when ``steps`` changes, unless
       ``reschedule: true`` spreads it over the new ``steps``.
-    - ``init_from``: a Hugging Face Llama folder, a coat-jax folder or a ``.gguf`` file
+    - ``init_from``: a Hugging Face folder (any family of ``coat_jax.families``), a coat-jax
+      folder or a Llama ``.gguf`` file
       (``pkg:PACKAGE/FILE`` finds a file inside an installed package). Its architecture
       replaces the ``model`` section, which only describes models trained from scratch.
     - ``tokenizer``: ``byte`` (UTF-8 bytes, vocabulary 258), ``init_from`` (the checkpoint's

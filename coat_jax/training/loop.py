@@ -149,7 +149,8 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
         )
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(program.abstract_params))
     say(
-        f"Llama {num_params / 1e6:.2f}M params, precision={cfg.precision}, "
+        f"{program.model_def.config.model_type} {num_params / 1e6:.2f}M params, "
+        f"precision={cfg.precision}, "
         f"optimizer={cfg.optimizer}, scan_layers={cfg.scan_layers}, remat={cfg.remat}, "
         f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}, "
         f"{cfg.tokens_per_step} tokens/step, {run.order.windows.num_windows} training windows"

@@ -150,7 +150,13 @@ def init_params_fn(llama_cfg: LlamaConfig, cfg: TrainConfig, param_shardings):
 
 def llama_config_dict(llama_cfg: LlamaConfig) -> dict:
     """A JSON-clean dict of the architecture (the form stored in checkpoint metadata)."""
-    return json.loads(json.dumps(dataclasses.asdict(llama_cfg)))
+    d = json.loads(json.dumps(dataclasses.asdict(llama_cfg)))
+    # The family's keys are recorded only when not the default, so that checkpoints without
+    # them (Llama runs) still resume: their fingerprints compare equal.
+    for key, default in (("model_type", "llama"), ("sliding_window", None)):
+        if d[key] == default:
+            del d[key]
+    return d
 
 
 def llama_config_from_dict(d: dict) -> LlamaConfig:

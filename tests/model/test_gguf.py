@@ -46,10 +46,12 @@ def llama3_rope_factors(theta, head_dim, factor, low, high, old_len) -> np.ndarr
 
 
 def write_gguf(torch_model, path, *, arch="llama", extra_tensors=()):
-    """Writes a transformers Llama as llama.cpp does: F32 tensors, q/k rows permuted."""
+    """Writes a transformers Llama (or Qwen2) as llama.cpp does: F32 tensors, a Llama's q/k rows
+    permuted. ``arch``: the architecture the file says it holds."""
     cfg = torch_model.config
     n_layers = cfg.num_hidden_layers
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[cfg.model_type.upper()], n_layers)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(n_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -57,9 +59,9 @@ def write_gguf(torch_model, path, *, arch="llama", extra_tensors=()):
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -70,7 +72,7 @@ def write_gguf(torch_model, path, *, arch="llama", extra_tensors=()):
     elif rope.get("rope_type") == "llama3":
         factors = llama3_rope_factors(
             rope["rope_theta"],
-            cfg.head_dim,
+            head_dim,
             rope["factor"],
             rope["low_freq_factor"],
             rope["high_freq_factor"],
@@ -81,11 +83,11 @@ def write_gguf(torch_model, path, *, arch="llama", extra_tensors=()):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         array = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if cfg.model_type == "llama" and name.endswith("q_proj.weight"):
             array = llama_cpp_permute(array, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif cfg.model_type == "llama" and name.endswith("k_proj.weight"):
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), array)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
     for name, array in extra_tensors:
         w.add_tensor(name, array)
     w.write_header_to_file()
@@ -139,13 +141,20 @@ def test_synthetic_gguf_matches_transformers(tmp_path, case, overrides, rope_sca
 
 def test_gguf_errors(tmp_path):
     torch_model = hf_llama("mha_untied", num_hidden_layers=1)
-    bad_arch = write_gguf(torch_model, str(tmp_path / "a.gguf"), arch="qwen2")
-    with pytest.raises(ValueError, match="architecture 'qwen2'; only 'llama'"):
+    bad_arch = write_gguf(torch_model, str(tmp_path / "a.gguf"), arch="gemma")
+    with pytest.raises(ValueError, match=r"architecture 'gemma'; supported: \['llama', 'qwen2'\]"):
         from_pretrained(bad_arch)
-    extra = [("blk.0.attn_q.bias", np.zeros(64, np.float32))]
+    extra = [("blk.0.attn_qkv.weight", np.zeros((192, 64), np.float32))]
     bad_tensor = write_gguf(torch_model, str(tmp_path / "b.gguf"), extra_tensors=extra)
-    with pytest.raises(ValueError, match="'blk.0.attn_q.bias' is not part of a Llama"):
+    with pytest.raises(ValueError, match="'blk.0.attn_qkv.weight' is not part of a Llama or Qwen2"):
         from_pretrained(bad_tensor)
+    # A bias is a Qwen2 tensor: a Llama file holding one is refused by name.
+    extra = [("blk.0.attn_q.bias", np.zeros(64, np.float32))]
+    bias = write_gguf(torch_model, str(tmp_path / "d.gguf"), extra_tensors=extra)
+    with pytest.raises(
+        ValueError, match=r"does not use, e.g. \['model.layers.0.self_attn.q_proj.bias"
+    ):
+        from_pretrained(bias)
     freqs = [("rope_freqs.weight", np.asarray([1.0, 3.0, 1.0, 2.0] * 2, np.float32))]
     bad_rope = write_gguf(torch_model, str(tmp_path / "c.gguf"), extra_tensors=freqs)
     with pytest.raises(ValueError, match="rope_freqs.weight does not match llama3"):

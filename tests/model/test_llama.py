@@ -269,8 +269,8 @@ def test_config_from_hf_forms_and_round_trip(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert LlamaConfig.from_hf(tmp_path) == cfg
     assert LlamaConfig.from_hf(tmp_path / "config.json") == cfg
-    with pytest.raises(ValueError, match="not a Llama config: model_type='mistral'"):
-        LlamaConfig.from_hf({**d, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="model_type='gpt_neox' is not supported; valid: "):
+        LlamaConfig.from_hf({**d, "model_type": "gpt_neox"})
     with pytest.raises(ValueError, match="attention_bias=True is not supported"):
         LlamaConfig.from_hf({**d, "attention_bias": True})
     with pytest.raises(FileNotFoundError):
