@@ -381,6 +381,9 @@ def test_coat_adamw_pallas_matches_xla(mode):
         "w": jax.random.normal(jax.random.key(0), (3, 256)),
         "b": jax.random.normal(jax.random.key(1), (130,)),
         "k": jax.random.normal(jax.random.key(2), (2, 3, 128)),
+        # Narrow: grouped along the flatten (docs/fp8_state.md, 'Narrow parameters').
+        "n": jax.random.normal(jax.random.key(3), (512, 1)),
+        "o": jax.random.normal(jax.random.key(4), (7, 129)),
     }
     lr, steps = 1e-2, 3
     runs = {}
@@ -400,7 +403,7 @@ def test_coat_adamw_pallas_matches_xla(mode):
 
         p, s = params, tx.init(params)
         for t in range(steps):
-            keys = jax.random.split(jax.random.key(100 + t), 3)
+            keys = jax.random.split(jax.random.key(100 + t), len(params))
             g = {
                 name: jnp.abs(jax.random.normal(k, x.shape)) * jnp.sign(params[name])
                 for k, (name, x) in zip(keys, params.items(), strict=True)
