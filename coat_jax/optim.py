@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax import quant, state_codec
 from coat_jax.fused_apply import (
@@ -221,7 +221,9 @@ def scale_by_coat_adam(
         float32 (scalars, empty arrays, a handful of values), keep float32 moments.
       implementation: ``"auto"`` (the Pallas kernel where it applies: on a GPU, with a
         power-of-two group size, on one device or with ``mesh`` given; jnp elsewhere),
-        ``"xla"`` or ``"pallas"``.
+        ``"xla"`` or ``"pallas"`` (on several devices without ``mesh``: concrete arrays run
+        per shard of their ``NamedSharding``, and a call inside ``jit`` is refused, since XLA
+        would gather sharded operands whole for the kernel).
       interpret: run the Pallas kernel in interpret mode (for CPU tests; ``"auto"`` then tries
         it too).
       mesh: the ``jax.sharding.Mesh`` the parameters are sharded over. The kernel then runs on
@@ -326,6 +328,7 @@ def scale_by_coat_adam(
                 mus.append(state_codec.store(m))
                 nus.append(state_codec.store(v))
                 continue
+            leaf_mesh, partition = _placement(g, mesh, partition, implementation)
             hyper = dict(
                 count=count,
                 b1=b1,
@@ -335,7 +338,7 @@ def scale_by_coat_adam(
                 spec=spec,
                 implementation=implementation,
                 interpret=interpret,
-                mesh=mesh,
+                mesh=leaf_mesh,
                 partition=partition,
             )
             decayed = dict(learning_rate=learning_rate, weight_decay=wd, grad_scale=grad_scale)
@@ -377,6 +380,35 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
         if not isinstance(s, PartitionSpec):
             raise ValueError(f"partition_specs holds {s!r}; every leaf must be a PartitionSpec")
     return specs
+
+
+def _placement(grad, mesh, partition, implementation: str) -> tuple[Mesh | None, Any]:
+    """``(mesh, PartitionSpec)`` the kernel steps one parameter under.
+
+    With ``mesh`` given, that mesh and the parameter's spec. Without it, on a process with
+    several devices, ``implementation="pallas"`` takes the placement from a concrete gradient's
+    ``NamedSharding`` (so no operand is gathered), and refuses a traced one: inside ``jit`` the
+    placement is decided later, and a ``pallas_call`` with no partitioning rule would make XLA
+    gather sharded operands whole. ``"auto"`` then runs the XLA path (``dispatch``).
+    """
+    if mesh is not None or implementation != "pallas" or jax.device_count() == 1:
+        return mesh, partition
+    if isinstance(grad, jax.core.Tracer):
+        raise ValueError(
+            f"coat_adamw(implementation='pallas') inside jit on a process with "
+            f"{jax.device_count()} devices needs mesh= and partition_specs= (the kernel has no "
+            "partitioning rule, so XLA would gather sharded parameters whole); pass them, or "
+            "use implementation='auto', whose XLA path partitions like any jnp code"
+        )
+    sharding = grad.sharding
+    if len(sharding.device_set) == 1:
+        return None, None
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+            f"coat_adamw(implementation='pallas') got a gradient placed as {sharding}, not a "
+            "NamedSharding; pass mesh= and partition_specs="
+        )
+    return sharding.mesh, sharding.spec
 
 
 def _named_format(name: str, fmt) -> str:
