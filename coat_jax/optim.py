@@ -278,7 +278,7 @@ def scale_by_coat_adam(
                 mus.append(state_codec.store(jnp.zeros_like(p, dtype=jnp.float32)))
                 nus.append(state_codec.store(jnp.zeros_like(p, dtype=jnp.float32)))
         count = jnp.zeros([], jnp.int32, device=state_codec.replicated_like(leaves))
-        return _state_from_leaves(count, treedef, mus, nus)
+        return _state_from_stored(count, treedef, mus, nus)
 
     def step(updates, state, params=None, decay=None, grad_scale=None, index=None):
         # See ScaleByCoatAdam.step.
@@ -293,7 +293,7 @@ def scale_by_coat_adam(
             learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
         else:
             (learning_rate, decays), ps = decay, treedef.flatten_up_to(params)
-        out, mus, nus = [], [], []
+        out, mus, nus, shapes = [], [], [], []
         for g, p, wd, mu, nu, partition, stored_shape in zip(
             leaves,
             ps,
@@ -325,8 +325,9 @@ def scale_by_coat_adam(
                     else stacks.step_element(float32_step, (p, mu, nu), index)
                 )
                 out.append(new_p)
-                mus.append(state_codec.store(m))
-                nus.append(state_codec.store(v))
+                mus.append(m)
+                nus.append(v)
+                shapes.append(stored_shape)
                 continue
             leaf_mesh, partition = _placement(g, mesh, partition, implementation)
             hyper = dict(
@@ -351,9 +352,10 @@ def scale_by_coat_adam(
                     p, g, mu, nu, index=index, **decayed, **hyper
                 )
             out.append(u)
-            mus.append(state_codec.store(new_mu, stored_shape))
-            nus.append(state_codec.store(new_nu, stored_shape))
-        return treedef.unflatten(out), _state_from_leaves(new_count, treedef, mus, nus)
+            mus.append(new_mu)
+            nus.append(new_nu)
+            shapes.append(stored_shape)
+        return treedef.unflatten(out), _state_from_leaves(new_count, treedef, mus, nus, shapes)
 
     def update_fn(updates, state, params=None):
         del params
@@ -417,7 +419,18 @@ def _named_format(name: str, fmt) -> str:
     return fmt
 
 
-def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
+def _state_from_leaves(count, treedef, mus, nus, shapes=None) -> ScaleByCoatAdamState:
+    """The state holding moments (grouped-view ``QuantizedTensor``s or float32 arrays) stored
+    in their parameters' ``shapes`` (``None``: the moments' own shapes)."""
+    shapes = [None] * len(mus) if shapes is None else shapes
+
+    def stored(moments):
+        return [state_codec.store(m, s) for m, s in zip(moments, shapes, strict=True)]
+
+    return _state_from_stored(count, treedef, stored(mus), stored(nus))
+
+
+def _state_from_stored(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     def field(moments, i):
         return treedef.unflatten([m[i] for m in moments])
 
