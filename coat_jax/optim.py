@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from coat_jax import quant, state_codec
 from coat_jax.fused_apply import (
@@ -329,7 +329,7 @@ def scale_by_coat_adam(
                 nus.append(v)
                 shapes.append(stored_shape)
                 continue
-            leaf_mesh, partition = _placement(g, mesh, partition, implementation)
+            leaf_mesh, partition = state_codec.kernel_placement(g, mesh, partition, implementation)
             hyper = dict(
                 count=count,
                 b1=b1,
@@ -382,35 +382,6 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
         if not isinstance(s, PartitionSpec):
             raise ValueError(f"partition_specs holds {s!r}; every leaf must be a PartitionSpec")
     return specs
-
-
-def _placement(grad, mesh, partition, implementation: str) -> tuple[Mesh | None, Any]:
-    """``(mesh, PartitionSpec)`` the kernel steps one parameter under.
-
-    With ``mesh`` given, that mesh and the parameter's spec. Without it, on a process with
-    several devices, ``implementation="pallas"`` takes the placement from a concrete gradient's
-    ``NamedSharding`` (so no operand is gathered), and refuses a traced one: inside ``jit`` the
-    placement is decided later, and a ``pallas_call`` with no partitioning rule would make XLA
-    gather sharded operands whole. ``"auto"`` then runs the XLA path (``dispatch``).
-    """
-    if mesh is not None or implementation != "pallas" or jax.device_count() == 1:
-        return mesh, partition
-    if isinstance(grad, jax.core.Tracer):
-        raise ValueError(
-            f"coat_adamw(implementation='pallas') inside jit on a process with "
-            f"{jax.device_count()} devices needs mesh= and partition_specs= (the kernel has no "
-            "partitioning rule, so XLA would gather sharded parameters whole); pass them, or "
-            "use implementation='auto', whose XLA path partitions like any jnp code"
-        )
-    sharding = grad.sharding
-    if len(sharding.device_set) == 1:
-        return None, None
-    if not isinstance(sharding, NamedSharding):
-        raise ValueError(
-            f"coat_adamw(implementation='pallas') got a gradient placed as {sharding}, not a "
-            "NamedSharding; pass mesh= and partition_specs="
-        )
-    return sharding.mesh, sharding.spec
 
 
 def _named_format(name: str, fmt) -> str:

@@ -217,6 +217,35 @@ def stat_sharding(param, stat_shape):
     return None
 
 
+def kernel_placement(grad, mesh, partition, implementation: str) -> tuple[Any, Any]:
+    """``(mesh, PartitionSpec)`` the optimizer's kernel steps one parameter under.
+
+    With ``mesh`` given, that mesh and the parameter's spec. Without it, on a process with
+    several devices, ``implementation="pallas"`` takes the placement from a concrete gradient's
+    ``NamedSharding`` (so no operand is gathered), and refuses a traced one: inside ``jit`` the
+    placement is decided later, and a ``pallas_call`` with no partitioning rule would make XLA
+    gather sharded operands whole. ``"auto"`` then runs the XLA path (``dispatch``).
+    """
+    if mesh is not None or implementation != "pallas" or jax.device_count() == 1:
+        return mesh, partition
+    if isinstance(grad, jax.core.Tracer):
+        raise ValueError(
+            f"coat_adamw(implementation='pallas') inside jit on a process with "
+            f"{jax.device_count()} devices needs mesh= and partition_specs= (the kernel has no "
+            "partitioning rule, so XLA would gather sharded parameters whole); pass them, or "
+            "use implementation='auto', whose XLA path partitions like any jnp code"
+        )
+    sharding = grad.sharding
+    if len(sharding.device_set) == 1:
+        return None, None
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+            f"coat_adamw(implementation='pallas') got a gradient placed as {sharding}, not a "
+            "NamedSharding; pass mesh= and partition_specs="
+        )
+    return sharding.mesh, sharding.spec
+
+
 def replicated_like(leaves):
     """A replicated sharding on the parameters' mesh, so the step count lives where they do."""
     for p in leaves:
