@@ -35,6 +35,7 @@ from pallas_kernels.quant import (
     format_of,
     fp8_format,
     from_groups,
+    grouped_axis,
     named,
     num_groups,
     quantize_absmax,
@@ -42,6 +43,7 @@ from pallas_kernels.quant import (
     round_scale,
     state_bytes,
     to_groups,
+    view_shape,
 )
 
 __all__ = [
@@ -57,6 +59,8 @@ __all__ = [
     "check_group_size",
     "to_groups",
     "from_groups",
+    "grouped_axis",
+    "view_shape",
     "GRANULARITIES",
     "QuantizedTensor",
     "named",

@@ -15,7 +15,8 @@ Why multi-device programs without a mesh stay on XLA: a ``pallas_call`` has no S
 rule, so on operands sharded over several devices XLA would gather them whole onto every device.
 Given a mesh, the Pallas implementations run on each shard through ``shard_map``
 (:mod:`pallas_kernels.sharding`); without one, ``"auto"`` keeps the XLA path, which partitions
-like any jnp code, and ``"pallas"`` forces the kernel anyway (gathering its operands).
+like any jnp code, and ``"pallas"`` is the caller's business: ``coat_adamw`` takes the placement
+from concrete operands' shardings and refuses traced ones, so that no operand is gathered.
 
 A new backend (a Mosaic GPU kernel, say) is one more name in :data:`PREFERENCE`, one more keyword
 at the call sites, and one more value of ``implementation``.

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 P = jax.sharding.PartitionSpec
 MESH = sharding.make_mesh(2, 4)  # data x fsdp
 KMESH = KernelMesh(MESH)
+ONE_DEVICE = sharding.make_mesh(1, 1)
 BATCH = jax.sharding.NamedSharding(MESH, P(("data", "fsdp")))
 # The trainer's FSDP rule over 4 devices (whole 128-value groups per shard on the last axis):
 SHAPES = {
@@ -170,7 +171,9 @@ def test_optimizer_on_shards_equals_one_device_and_gathers_no_parameter(layout):
         assert gathered == {"norm"}, gathered
         assert "all-to-all" in hlo
 
-    tx1 = _optimizer(None)
+    # One device: a mesh of one device (the plain kernel call, bit for bit:
+    # test_mesh_of_one_device_equals_no_mesh).
+    tx1 = _optimizer(ONE_DEVICE)
     ref_p = _tree(0)
     ref_s = tx1.init(ref_p)
 
@@ -193,13 +196,13 @@ def test_optimizer_on_shards_equals_one_device_and_gathers_no_parameter(layout):
 
 
 def test_mesh_of_one_device_equals_no_mesh():
-    """The sharded code path on a mesh of one device: the same bits as the plain kernel call."""
-    mesh1 = sharding.make_mesh(1, 1)
+    """The sharded code path on a mesh of one device: the same bits as the plain kernel call
+    (without a mesh on 8 devices "pallas" runs outside jit only: arrays on one device)."""
     params, grads = _tree(0), _tree(10, scale=1e-2)
     results = []
-    for mesh in (None, mesh1):
+    for mesh, step in ((None, lambda f: f), (ONE_DEVICE, jax.jit)):
         tx = _optimizer(mesh)
-        results.append(jax.jit(tx.update)(grads, tx.init(params), params))
+        results.append(step(tx.update)(grads, tx.init(params), params))
     _equal(results[0], results[1])
 
 
@@ -209,6 +212,36 @@ def test_optimizer_without_mesh_stays_on_xla_with_auto():
     state = tx.init(params)
     hlo = jax.jit(tx.update).lower(params, state, params).as_text()
     assert "coat_adam_step" not in hlo
+
+
+def test_optimizer_without_mesh_gathers_no_parameter():
+    # An optax user's call: parameters sharded 8 ways, coat_adamw(lr) with no mesh.
+    mesh8 = jax.make_mesh((8,), ("fsdp",))
+    rows = jax.sharding.NamedSharding(mesh8, P("fsdp"))
+    shape = (256, 256)
+    p = {"w": jax.random.normal(jax.random.key(0), shape)}
+    g = {"w": 1e-2 * jax.random.normal(jax.random.key(1), shape)}
+    p8, g8 = jax.device_put(p, rows), jax.device_put(g, rows)
+
+    auto = coat_jax.coat_adamw(1e-2, interpret=True)
+    state8 = auto.init(p8)
+    assert state8[0].mu_scale["w"].sharding.is_equivalent_to(rows, 2)
+    step = jax.jit(auto.update)
+    hlo = step.lower(g8, state8, p8).compile().as_text()
+    big = [s for s in _gathered_shapes(hlo) if np.prod(s) >= np.prod(shape) // 8]
+    assert not big, big
+    one = jax.jit(auto.update)(g, auto.init(p), p)
+    _equal(step(g8, state8, p8), one, "auto on 8 shards")
+
+    # "pallas" inside jit cannot see where the operands live: refused in one line.
+    pallas = coat_jax.coat_adamw(1e-2, implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match=r"needs mesh= and partition_specs=") as refused:
+        jax.jit(pallas.update)(g8, pallas.init(p8), p8)
+    assert "\n" not in str(refused.value)
+    # Outside jit it runs on each shard of the arrays' NamedSharding.
+    updates, state = pallas.update(g8, pallas.init(p8), p8)
+    assert updates["w"].sharding.is_equivalent_to(rows, 2)
+    _equal((updates, state), pallas.update(g, pallas.init(p), p), "pallas on 8 shards")
 
 
 # --- the quantizers -----------------------------------------------------------------------

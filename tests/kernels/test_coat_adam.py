@@ -511,6 +511,9 @@ class CoatAdamContract:
             "w": jax.random.normal(jax.random.key(0), (3, 256)),
             "b": jax.random.normal(jax.random.key(1), (130,)),
             "k": jax.random.normal(jax.random.key(2), (2, 3, 128)),
+            # Narrow: grouped along the flatten (docs/fp8_state.md, 'Narrow parameters').
+            "n": jax.random.normal(jax.random.key(3), (512, 1)),
+            "o": jax.random.normal(jax.random.key(4), (7, 129)),
         }
         lr, steps = 1e-2, 3
         runs = {}
@@ -530,7 +533,7 @@ class CoatAdamContract:
 
             p, s = params, tx.init(params)
             for t in range(steps):
-                keys = jax.random.split(jax.random.key(100 + t), 3)
+                keys = jax.random.split(jax.random.key(100 + t), len(params))
                 g = {
                     name: jnp.abs(jax.random.normal(k, x.shape)) * jnp.sign(params[name])
                     for k, (name, x) in zip(keys, params.items(), strict=True)
