@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from coat_jax.llama import REMAT_POLICIES, LlamaConfig
-from coat_jax.training.data import split_names
+from coat_jax.training.data import DEFAULT_DATA_PATH, DataSource, check_data_keys
 from coat_jax.training.op_kernels import op_kernels_as_mapping, op_kernels_text, parse_op_kernels
 
 # The ``model`` section is a :class:`coat_jax.llama.LlamaConfig` (one source of truth for the
@@ -207,8 +207,10 @@ class TrainConfig:
     fp8_op_kernels: str | None = None
     fused_apply: bool = True
     optimizer_in_backward: bool = False
-    # Data.
-    data_path: str = "data/public_domain_en.tar.xz"
+    # Data (docs/data.md; check_data_keys checks these).
+    data_path: str = DEFAULT_DATA_PATH
+    sources: tuple[DataSource, ...] | None = None
+    text_field: str = "text"
     tokenizer: str = "byte"
     cache_dir: str = "~/.cache/coat_jax/tokens"
     val_fraction: float = 0.005
@@ -344,13 +346,7 @@ class TrainConfig:
                 f"{self.fp8_weight_residual} does not; use precision=fp8 or coat with "
                 "fp8_weight_residual=master, or set fp8_linear_scaling=tensor"
             )
-        if not 0.0 < self.val_fraction < 0.5:
-            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        if self.val_documents is not None and not split_names(self.val_documents):
-            raise ValueError(
-                "val_documents must name documents (comma-separated, e.g. "
-                "austen/persuasion.txt) or be null (a val_fraction of every document)"
-            )
+        check_data_keys(self)
         for name in ("data", "fsdp"):
             size = getattr(self.mesh, name)
             if size == 0 or size < -1:
@@ -562,6 +558,13 @@ def _coerce(key: str, hint, value):
         if value not in choices:
             raise ValueError(f"{key}={value!r} is not valid; choose one of {list(choices)}")
         return value
+    if origin is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+        # A list of sections such as sources: each item is built and checked like a section.
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{key}={value!r} is not valid; expected a list of mappings")
+        return tuple(
+            _build(typing.get_args(hint)[0], v, f"{key}[{i}].") for i, v in enumerate(value)
+        )
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:

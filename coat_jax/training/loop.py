@@ -142,7 +142,7 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
         f"Llama {num_params / 1e6:.2f}M params, precision={cfg.precision}, "
         f"optimizer={cfg.optimizer}, scan_layers={cfg.scan_layers}, remat={cfg.remat}, "
         f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}, "
-        f"{cfg.tokens_per_step} tokens/step, {run.order.windows.num_windows} training windows"
+        f"{cfg.tokens_per_step} tokens/step, {run.order.num_windows} training windows"
     )
     log = (MetricsLog if distributed.is_main_process() else distributed.NoLog)(
         out / "metrics.jsonl",

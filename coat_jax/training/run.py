@@ -26,7 +26,15 @@ from coat_jax.runs import resolve_init_from
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError
 from coat_jax.training.config import TrainConfig
-from coat_jax.training.data import PackedWindows, TrainOrder, make_tokenizer, tokenize_to_cache
+from coat_jax.training.data import (
+    InterleavedWindows,
+    MixtureOrder,
+    PackedWindows,
+    TrainOrder,
+    data_sources,
+    make_tokenizer,
+    tokenize_to_cache,
+)
 from coat_jax.training.model import (
     COMPUTE_DTYPES,
     MASTER_DTYPES,
@@ -47,8 +55,8 @@ class RunState:
     program: TrainProgram
     checkpointer: Checkpointer
     tokenizer: Any
-    order: TrainOrder
-    val_windows: PackedWindows
+    order: TrainOrder | MixtureOrder
+    val_windows: PackedWindows | InterleavedWindows
     params: Any
     opt_state: Any
     step: int
@@ -74,6 +82,33 @@ def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
     }
 
 
+def _data(cfg: TrainConfig, tokenizer, say):
+    """The training order and the validation windows of the run's source or mixture."""
+    sources = data_sources(cfg)
+    train, val = [], []
+    for source in sources:
+        tokens = tokenize_to_cache(
+            source.path,
+            tokenizer,
+            cfg.cache_dir,
+            cfg.val_fraction,
+            cfg.val_documents,
+            source.text_field or cfg.text_field,
+        )
+        if tokens.tokenized_s is not None:
+            say(
+                f"tokenized {source.path} in {tokens.tokenized_s:.1f} s: {len(tokens.train):,} "
+                f"training and {len(tokens.val):,} validation tokens, cached in "
+                f"{tokens.directory}"
+            )
+        train.append(PackedWindows(tokens.train, cfg.seq_len, f"train split of {source.path}"))
+        val.append(PackedWindows(tokens.val, cfg.seq_len, f"validation split of {source.path}"))
+    if len(sources) == 1:
+        return TrainOrder(train[0], cfg.seed), val[0]
+    order = MixtureOrder(train, [s.weight for s in sources], cfg.seed)
+    return order, InterleavedWindows(val)
+
+
 def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> RunState:
     """Data, model, optimizer and the starting state: restored (``resume``) or initialised."""
     if not cfg.resume:
@@ -86,16 +121,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
     tokenizer = make_tokenizer(
         cfg.tokenizer, resolve_init_from(cfg.init_from) if cfg.init_from else None
     )
-    tokens = tokenize_to_cache(
-        cfg.data_path, tokenizer, cfg.cache_dir, cfg.val_fraction, cfg.val_documents
-    )
-    if tokens.tokenized_s is not None:
-        say(
-            f"tokenized {cfg.data_path} in {tokens.tokenized_s:.1f} s: {len(tokens.train):,} "
-            f"training and {len(tokens.val):,} validation tokens, cached in {tokens.directory}"
-        )
-    order = TrainOrder(PackedWindows(tokens.train, cfg.seq_len, "train"), cfg.seed)
-    val_windows = PackedWindows(tokens.val, cfg.seq_len, "validation")
+    order, val_windows = _data(cfg, tokenizer, say)
 
     meta, pretrained = None, None
     if cfg.resume:

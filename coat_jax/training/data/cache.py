@@ -1,0 +1,210 @@
+"""Token caches: a source tokenized once into cached token files, memory-mapped afterwards.
+
+Every document is tokenized and followed by the tokenizer's end-of-sequence id. A text file's
+document gives the last ``val_fraction`` of its tokens to validation, so every file is
+represented in both splits; a source's records (JSON Lines, Parquet, ...) are held out whole,
+evenly spaced, ``val_fraction`` of them. ``val_documents`` instead holds out named documents
+whole. The streams go to ``<cache_dir>/<key>/``: ``{train,val}.bin`` (raw uint16 or uint32),
+``{train,val}.docs.bin`` (int64 offsets where each document starts) and, for a source with chats,
+``{train,val}.loss.bin`` (uint8, 1 where a token is a loss target: an assistant's token of a
+chat, every token of a plain text). The key hashes the source's files, the text field, the
+tokenizer and the split, so a changed corpus or tokenizer never reuses a stale cache. The cache
+is written in a scratch folder renamed into place, and only once the whole source has been read
+and tokenized, so a failed source leaves nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coat_jax.training.data.sources import read_source, source_digest
+from coat_jax.training.data.tokenizer import Tokenizer
+
+CACHE_FORMAT = 2
+
+
+@dataclass(frozen=True)
+class TokenFiles:
+    """A source's cached streams: tokens, document starts and (chats) loss targets per split."""
+
+    train: np.ndarray
+    val: np.ndarray
+    directory: Path
+    train_docs: np.ndarray
+    val_docs: np.ndarray
+    # None: every token is a loss target (no chats in the source).
+    train_loss: np.ndarray | None = None
+    val_loss: np.ndarray | None = None
+    # Seconds this call spent building the cache: reading, tokenizing and writing the corpus
+    # (None: the cache was there already).
+    tokenized_s: float | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.train_loss is not None
+
+
+def split_names(val_documents: str | None) -> tuple[str, ...]:
+    """The document names of a ``val_documents`` setting (comma-separated), in order."""
+    if val_documents is None:
+        return ()
+    return tuple(n.strip() for n in val_documents.split(",") if n.strip())
+
+
+def tokenize_to_cache(
+    data_path: str,
+    tokenizer: Tokenizer,
+    cache_dir: str,
+    val_fraction: float,
+    val_documents: str | None = None,
+    text_field: str = "text",
+) -> TokenFiles:
+    """Tokenizes a source once and memory-maps its cached train and validation streams.
+
+    With ``val_documents`` (comma-separated document names, as
+    :func:`~coat_jax.training.data.sources.read_documents` names them) those documents are held
+    out whole for validation and the others are all training text: a split by document, so no
+    validation text is ever trained on. Otherwise ``val_fraction`` is held out as the module
+    says.
+    """
+    held_out = split_names(val_documents)
+    split = {"val_documents": list(held_out)} if held_out else val_fraction
+    key_parts = [CACHE_FORMAT, source_digest(data_path, text_field), tokenizer.identity, split]
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
+    root = Path(cache_dir).expanduser()
+    final = root / key
+    tokenized_s = None
+    if not (final / "meta.json").exists():
+        started = time.perf_counter()
+        _write_cache(data_path, text_field, tokenizer, val_fraction, root, final, held_out)
+        tokenized_s = time.perf_counter() - started
+    meta = json.loads((final / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    streams = {}
+    for split_name in ("train", "val"):
+        tokens = np.memmap(final / f"{split_name}.bin", dtype=dtype, mode="r")
+        docs = np.fromfile(final / f"{split_name}.docs.bin", dtype=np.int64)
+        loss = None
+        if meta["chat"]:
+            loss = np.memmap(final / f"{split_name}.loss.bin", dtype=np.uint8, mode="r")
+        if len(tokens) != meta[f"{split_name}_tokens"] or (
+            loss is not None and len(loss) != len(tokens)
+        ):
+            raise ValueError(f"token cache {str(final)!r} is truncated; delete it to re-tokenize")
+        streams[split_name] = (tokens, docs, loss)
+    return TokenFiles(
+        train=streams["train"][0],
+        val=streams["val"][0],
+        directory=final,
+        train_docs=streams["train"][1],
+        val_docs=streams["val"][1],
+        train_loss=streams["train"][2],
+        val_loss=streams["val"][2],
+        tokenized_s=tokenized_s,
+    )
+
+
+def _encode(tokenizer: Tokenizer, documents) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """``(ids + [eos], loss targets or None)`` of each document; a chat's EOS is no target
+    (the template's end of turn is the assistant's)."""
+    texts = [doc for _, doc, _ in documents if isinstance(doc, str)]
+    encoded = iter(tokenizer.encode_many(texts))
+    out = []
+    for name, doc, _ in documents:
+        if isinstance(doc, str):
+            out.append((np.concatenate([next(encoded), [tokenizer.eos_id]]), None))
+        else:
+            ids, assistant = tokenizer.encode_chat(doc, repr(name))
+            out.append((np.concatenate([ids, [tokenizer.eos_id]]), np.append(assistant, False)))
+    return out
+
+
+def _held_out_records(count: int, val_fraction: float) -> np.ndarray:
+    """Which of ``count`` records go to validation: ``val_fraction`` of them, evenly spaced."""
+    i = np.arange(count)
+    return np.floor((i + 1) * val_fraction) > np.floor(i * val_fraction)
+
+
+def _write_cache(
+    data_path: str,
+    text_field: str,
+    tokenizer: Tokenizer,
+    val_fraction: float,
+    root: Path,
+    final: Path,
+    held_out=(),
+) -> None:
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    documents = read_source(data_path, text_field)
+    names = [name for name, _, _ in documents]
+    missing = [n for n in held_out if n not in names]
+    if missing:
+        shown = names if len(names) <= 20 else [*names[:20], "..."]
+        raise ValueError(
+            f"val_documents names {missing} not in {data_path!r}; its documents are "
+            f"{shown}; name some of them (comma-separated) or set val_documents=null"
+        )
+    if held_out and len(held_out) == len(names):
+        raise ValueError(
+            f"val_documents holds out every document of {data_path!r}, leaving no training "
+            "text; hold out fewer"
+        )
+    records = [r for _, _, r in documents]
+    record_val = iter(_held_out_records(sum(records), val_fraction))
+    chat = any(not isinstance(doc, str) for _, doc, _ in documents)
+    parts = {"train": [], "val": []}
+    for (name, _, is_record), (ids, targets) in zip(
+        documents, _encode(tokenizer, documents), strict=True
+    ):
+        if targets is None:
+            targets = np.ones(len(ids), dtype=bool)
+        if held_out or is_record:
+            to_val = name in held_out if held_out else next(record_val)
+            parts["val" if to_val else "train"].append((ids, targets))
+            continue
+        cut = int(round(len(ids) * (1.0 - val_fraction)))
+        parts["train"].append((ids[:cut], targets[:cut]))
+        parts["val"].append((ids[cut:], targets[cut:]))
+    root.mkdir(parents=True, exist_ok=True)
+    # Written in a scratch directory and renamed into place, so a crash never leaves a cache
+    # that looks complete; a concurrent writer that wins the rename is equally good.
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    try:
+        meta = {
+            "format": CACHE_FORMAT,
+            "source": data_path,
+            "text_field": text_field,
+            "tokenizer": tokenizer.identity,
+            "dtype": np.dtype(dtype).name,
+            "chat": chat,
+        }
+        for split_name, pieces in parts.items():
+            pieces = [(i, t) for i, t in pieces if len(i)] or [
+                (np.zeros(0, np.int64), np.zeros(0, bool))
+            ]
+            tokens = np.concatenate([i for i, _ in pieces]).astype(dtype)
+            tokens.tofile(tmp / f"{split_name}.bin")
+            starts = np.cumsum([0] + [len(i) for i, _ in pieces[:-1]]).astype(np.int64)
+            starts.tofile(tmp / f"{split_name}.docs.bin")
+            if chat:
+                np.concatenate([t for _, t in pieces]).astype(np.uint8).tofile(
+                    tmp / f"{split_name}.loss.bin"
+                )
+            meta[f"{split_name}_tokens"] = len(tokens)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
