@@ -22,7 +22,7 @@ from coat_jax.generate import sample_text
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
-from coat_jax.training.data import PackedWindows, validation_batches
+from coat_jax.training.data import PackedWindows, loss_tokens, validation_batches
 from coat_jax.training.errors import error_line, exit_code
 from coat_jax.training.metrics import MetricsLog, plot_loss_curve
 from coat_jax.training.model import COMPUTE_DTYPES
@@ -248,6 +248,7 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             else:
                 outputs = program.step_fn(*args)
             params, opt_state, metrics = outputs
+            metrics = {**metrics, "loss_tokens": loss_tokens(batch)}
             del args, outputs
             step += 1
             position += sequences_per_step

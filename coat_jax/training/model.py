@@ -37,6 +37,10 @@ class ModelDef:
     graphdef: Any
     abstract_state: Any
     loss_chunk_size: int | None = None
+    # Windows mark the tokens that are no loss target (a chat's non-assistant tokens) by their
+    # sign: -(id + 1) (coat_jax.training.data.order.PackedWindows). Static, so that a run on
+    # plain text computes the plain mean.
+    loss_mask: bool = False
 
     def bind(self, params) -> Llama:
         state = jax.tree.map(lambda x: x, self.abstract_state)
@@ -61,14 +65,17 @@ def split_params(model) -> tuple[Any, Any]:
     return graphdef, params
 
 
-def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelDef:
+def model_def_for(
+    llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None, *, loss_mask: bool = False
+) -> ModelDef:
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
     ``cfg.fp8_kernels`` (unset with ``kernels: auto``: by the model's width and the tokens per
     device, ``optimizers.fp8_ops_auto``; else as ``cfg.kernels``) picks where the FP8 ops run;
     with ``mesh`` (a program on several devices) their Pallas kernels, where chosen, run on
     each shard (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes,
-    weights as the trainer's FSDP rule places them.
+    weights as the trainer's FSDP rule places them. ``loss_mask``: the windows mark tokens that
+    are no loss target (:class:`ModelDef`).
     """
     abstract = nnx.eval_shape(lambda: new_model(llama_cfg, cfg, jax.random.key(0)))
     placement = {}
@@ -94,7 +101,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         **placement,
     )
     graphdef, state = split_params(abstract)
-    return ModelDef(llama_cfg, graphdef, state, cfg.loss_chunk_size)
+    return ModelDef(llama_cfg, graphdef, state, cfg.loss_chunk_size, loss_mask)
 
 
 MASTER_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -163,7 +170,7 @@ def next_token_loss(model_def: ModelDef, params, tokens_BT1) -> jax.Array:
     With ``loss_chunk_size`` set the logits are never materialised whole
     (:func:`coat_jax.losses.cross_entropy_from_hidden`); otherwise the plain optax loss.
     """
-    inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    inputs_BT, labels_BT = split_window(model_def, tokens_BT1)
     model = model_def.bind(params)
     return loss_from_hidden(model_def, model, model.hidden_states(inputs_BT), labels_BT)
 
@@ -172,19 +179,40 @@ def observed_next_token_loss(model_def: ModelDef, params, tokens_BT1, observe) -
     """``(next_token_loss, scales)``: the same loss, bit for bit, and the scales the FP8 ops
     quantized activations with (``Llama.observed_hidden_states``; ``observe`` says whether
     their per-group reductions are computed)."""
-    inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    inputs_BT, labels_BT = split_window(model_def, tokens_BT1)
     model = model_def.bind(params)
     hidden_BTD, scales = model.observed_hidden_states(inputs_BT, observe)
     return loss_from_hidden(model_def, model, hidden_BTD, labels_BT), scales
 
 
+def split_window(model_def: ModelDef, tokens_BT1) -> tuple[jax.Array, jax.Array]:
+    """``(inputs_BT, labels_BT)`` of windows of ``T + 1`` tokens: the inputs as token ids, the
+    labels as the window holds them (with ``loss_mask``, negative where no target)."""
+    inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    if model_def.loss_mask:
+        inputs_BT = jnp.where(inputs_BT < 0, -inputs_BT - 1, inputs_BT)
+    return inputs_BT, labels_BT
+
+
 def loss_from_hidden(model_def: ModelDef, model: Llama, hidden_BTD, labels_BT) -> jax.Array:
-    """Mean cross-entropy of the final hidden states against ``labels`` (the model's head)."""
+    """Mean cross-entropy of the final hidden states against ``labels`` (the model's head);
+    with ``loss_mask`` the mean over the labels that are targets (non-negative) alone."""
+    mask_BT = None
+    if model_def.loss_mask:
+        mask_BT = labels_BT >= 0
+        labels_BT = jnp.where(mask_BT, labels_BT, -labels_BT - 1)
     if model_def.loss_chunk_size is None:
         logits_BTV = model.logits(hidden_BTD)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT).mean()
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT)
+        if mask_BT is None:
+            return ce_BT.mean()
+        return (ce_BT * mask_BT).sum() / mask_BT.sum()
     return cross_entropy_from_hidden(
-        hidden_BTD, model.output_weight(cast=False), labels_BT, chunk_size=model_def.loss_chunk_size
+        hidden_BTD,
+        model.output_weight(cast=False),
+        labels_BT,
+        mask_BT=mask_BT,
+        chunk_size=model_def.loss_chunk_size,
     )
 
 

@@ -83,9 +83,10 @@ def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
 
 
 def _data(cfg: TrainConfig, tokenizer, say):
-    """The training order and the validation windows of the run's source or mixture."""
+    """The training order and the validation windows of the run's source or mixture, and
+    whether any source holds chats (whose windows mark tokens that are no loss target)."""
     sources = data_sources(cfg)
-    train, val = [], []
+    train, val, chat = [], [], False
     for source in sources:
         tokens = tokenize_to_cache(
             source.path,
@@ -101,12 +102,14 @@ def _data(cfg: TrainConfig, tokenizer, say):
                 f"training and {len(tokens.val):,} validation tokens, cached in "
                 f"{tokens.directory}"
             )
-        train.append(PackedWindows(tokens.train, cfg.seq_len, f"train split of {source.path}"))
-        val.append(PackedWindows(tokens.val, cfg.seq_len, f"validation split of {source.path}"))
+        where = f"split of {source.path}"
+        train.append(PackedWindows(tokens.train, cfg.seq_len, f"train {where}", tokens.train_loss))
+        val.append(PackedWindows(tokens.val, cfg.seq_len, f"validation {where}", tokens.val_loss))
+        chat = chat or tokens.chat
     if len(sources) == 1:
-        return TrainOrder(train[0], cfg.seed), val[0]
+        return TrainOrder(train[0], cfg.seed), val[0], chat
     order = MixtureOrder(train, [s.weight for s in sources], cfg.seed)
-    return order, InterleavedWindows(val)
+    return order, InterleavedWindows(val), chat
 
 
 def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> RunState:
@@ -121,7 +124,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
     tokenizer = make_tokenizer(
         cfg.tokenizer, resolve_init_from(cfg.init_from) if cfg.init_from else None
     )
-    order, val_windows = _data(cfg, tokenizer, say)
+    order, val_windows, chat = _data(cfg, tokenizer, say)
 
     meta, pretrained = None, None
     if cfg.resume:
@@ -179,6 +182,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
         cfg if schedule_steps == cfg.steps else dataclasses.replace(cfg, steps=schedule_steps),
         llama_cfg,
         mesh,
+        loss_mask=chat,
     )
 
     skipped = 0

@@ -4,10 +4,14 @@ their weights and repeat from the seed; bad data fails with one line and caches 
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import datasets
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,11 +21,13 @@ from coat_jax.training.data import (
     MixtureOrder,
     PackedWindows,
     TrainOrder,
+    loss_tokens,
     make_tokenizer,
     read_documents,
     tokenize_to_cache,
 )
 from coat_jax.training.loop import train
+from coat_jax.training.model import model_def_for, next_token_loss
 from tests.tiny_runs import tiny_run
 
 TEXTS = ["The first document.\nTwo lines.", "Second: héllo wörld.", "third " * 20, "Fourth one."]
@@ -199,18 +205,25 @@ def test_chat_data_needs_a_tokenizer_with_a_chat_template(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-def test_a_run_on_a_mixture_resumes_bit_for_bit(tmp_path):
+@pytest.fixture(scope="module")
+def mixture_runs(tmp_path_factory):
+    """A run on a mixture of a text folder, records and chats, straight and stopped-resumed."""
+    tmp_path = tmp_path_factory.mktemp("mixture")
     write_formats(tmp_path)
     (tmp_path / "more.jsonl").write_text(
         "".join(json.dumps({"body": f"line {i} " * 30}) + "\n" for i in range(40))
     )
-    sources = (
-        f"sources=[{{path: {tmp_path / 'txt'}, weight: 1}}, "
-        f"{{path: {tmp_path / 'more.jsonl'}, weight: 3, text_field: body}}]"
+    chat = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    (tmp_path / "chat.jsonl").write_text((json.dumps({"messages": chat}) + "\n") * 30)
+    paths = [tmp_path / "txt", tmp_path / "more.jsonl", tmp_path / "chat.jsonl"]
+    weights, fields = [1, 3, 2], ["text", "body", "text"]
+    sources = ", ".join(
+        f"{{path: {p}, weight: {w}, text_field: {f}}}"
+        for p, w, f in zip(paths, weights, fields, strict=True)
     )
     common = [
         *tiny_run(layers=1, seq_len=16, batch_size=4),
-        sources,
+        f"sources=[{sources}]",
         "val_fraction=0.2",
         "steps=4",
         "eval_batches=1",
@@ -219,13 +232,56 @@ def test_a_run_on_a_mixture_resumes_bit_for_bit(tmp_path):
         f"cache_dir={tmp_path / 'tokens'}",
         "compilation_cache_dir=null",
     ]
-    straight = train(load_config(None, [*common, f"output_dir={tmp_path / 'a'}"]))
+    cfg = load_config(None, [*common, f"output_dir={tmp_path / 'a'}"])
+    straight = train(cfg)
     train(load_config(None, [*common, f"output_dir={tmp_path / 'b'}"]), stop_at=2)
     resumed = train(load_config(None, [*common, f"output_dir={tmp_path / 'b'}", "resume=true"]))
-    assert resumed.val_loss == straight.val_loss
-    metrics = lambda d: [
-        r["loss"]
-        for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-        if "loss" in r
+    tok = make_tokenizer("byte", None)
+    files = [
+        tokenize_to_cache(str(p), tok, str(tmp_path / "tokens"), 0.2, text_field=f)
+        for p, f in zip(paths, fields, strict=True)
     ]
-    assert metrics(tmp_path / "b") == metrics(tmp_path / "a")
+    return types.SimpleNamespace(
+        root=tmp_path, cfg=cfg, straight=straight, resumed=resumed, files=files, weights=weights
+    )
+
+
+def _records(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_a_run_on_a_mixture_resumes_bit_for_bit_and_logs_loss_tokens(mixture_runs):
+    runs = mixture_runs
+    assert runs.resumed.val_loss == runs.straight.val_loss
+    losses = lambda out: [r["loss"] for r in _records(out)]
+    assert losses(runs.root / "b") == losses(runs.root / "a")
+    # Each step's record counts the labels its loss averaged: the chat's assistant tokens
+    # alone, every label of the plain texts.
+    windows = [PackedWindows(f.train, 16, "train", f.train_loss) for f in runs.files]
+    order = MixtureOrder(windows, runs.weights, seed=0)
+    want = [loss_tokens(order.take(4 * step, 4)) for step in range(4)]
+    assert [r["loss_tokens"] for r in _records(runs.root / "a")] == want
+    assert min(want) < 4 * 16  # chat windows were drawn, their prompts no targets
+
+
+def test_the_chat_loss_is_the_mean_over_assistant_tokens(mixture_runs):
+    files, T = mixture_runs.files[2], 16
+    assert files.chat and len(files.train_loss) == len(files.train)
+    batch = PackedWindows(files.train, T, "train", files.train_loss).gather(np.arange(2))
+    tokens = np.asarray(files.train[: 2 * T + 1], np.int64)
+    target = np.asarray(files.train_loss[: 2 * T + 1], bool)
+    inputs = np.stack([tokens[:T], tokens[T : 2 * T]])
+    labels = np.stack([tokens[1 : T + 1], tokens[T + 1 :]])
+    mask = np.stack([target[1 : T + 1], target[T + 1 :]])
+    assert 0 < mask.sum() < mask.size
+    np.testing.assert_array_equal(np.where(batch < 0, -batch - 1, batch)[:, :-1], inputs)
+    assert loss_tokens(batch) == mask.sum()
+
+    cfg, params = mixture_runs.cfg, mixture_runs.straight.params
+    model_def = model_def_for(cfg.model, cfg, loss_mask=True)
+    loss = jax.jit(lambda p, t: next_token_loss(model_def, p, t))(params, jnp.asarray(batch))
+    # By hand: the model's logits, the cross-entropy at the assistant's labels alone.
+    logits = jax.jit(model_def.apply)(params, jnp.asarray(inputs))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(labels))
+    assert float(loss) == pytest.approx(float(np.asarray(ce)[mask].mean()), rel=1e-6)

@@ -13,6 +13,7 @@ from coat_jax.training.data.order import (
     MixtureOrder,
     PackedWindows,
     TrainOrder,
+    loss_tokens,
     mixture_counts,
     validation_batches,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "TrainOrder",
     "check_data_keys",
     "data_sources",
+    "loss_tokens",
     "make_tokenizer",
     "mixture_counts",
     "read_documents",

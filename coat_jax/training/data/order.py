@@ -19,11 +19,25 @@ import numpy as np
 MIXTURE_BLOCK = 4096
 
 
-class PackedWindows:
-    """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream."""
+def loss_tokens(windows: np.ndarray) -> int:
+    """How many labels of windows (``[..., T + 1]``, as :class:`PackedWindows` gives them) are
+    loss targets."""
+    return int(np.count_nonzero(windows[..., 1:] >= 0))
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, split: str):
+
+class PackedWindows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream.
+
+    With ``loss`` (1 where a token is a loss target, 0 where not: a chat's non-assistant
+    tokens) a token that is no target is given as ``-(id + 1)``, so a window carries its loss
+    mask in one int32 array (``coat_jax.training.model.split_window`` reads it back).
+    """
+
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, split: str, loss: np.ndarray | None = None
+    ):
         self.tokens = tokens
+        self.loss = loss
         self.seq_len = seq_len
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < 1:
@@ -34,8 +48,11 @@ class PackedWindows:
 
     def gather(self, window_ids: np.ndarray) -> np.ndarray:
         starts = np.asarray(window_ids, dtype=np.int64) * self.seq_len
-        offsets = np.arange(self.seq_len + 1)
-        return np.asarray(self.tokens[starts[:, None] + offsets], dtype=np.int32)
+        index = starts[:, None] + np.arange(self.seq_len + 1)
+        windows = np.asarray(self.tokens[index], dtype=np.int32)
+        if self.loss is not None:
+            windows = np.where(self.loss[index] != 0, windows, -windows - 1)
+        return windows
 
 
 class TrainOrder:
