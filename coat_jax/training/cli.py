@@ -76,6 +76,9 @@ DESCRIPTIONS = {
     "data_path alone",
     "text_field": "the field (column) of records that holds the text; records without it may "
     "hold a chat's 'messages'",
+    "attention_across_documents": "false: a token attends only to its own document of a packed "
+    "window (on XLA's attention); null: false for data with chats, true otherwise",
+    "document_positions": "positions restart at 0 at each document's first token in a window",
     "tokenizer": "byte (UTF-8 bytes, 258 ids), init_from (its checkpoint's) or a tokenizer path",
     "cache_dir": "where tokenized data is cached (keyed by corpus and tokenizer)",
     "val_fraction": "share of each document's tokens held out for validation",

@@ -211,6 +211,8 @@ class TrainConfig:
     data_path: str = DEFAULT_DATA_PATH
     sources: tuple[DataSource, ...] | None = None
     text_field: str = "text"
+    attention_across_documents: bool | None = None
+    document_positions: bool = False
     tokenizer: str = "byte"
     cache_dir: str = "~/.cache/coat_jax/tokens"
     val_fraction: float = 0.005

@@ -34,6 +34,7 @@ from coat_jax.training.data import (
     data_sources,
     make_tokenizer,
     tokenize_to_cache,
+    within_documents,
 )
 from coat_jax.training.model import (
     COMPUTE_DTYPES,
@@ -83,10 +84,11 @@ def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
 
 
 def _data(cfg: TrainConfig, tokenizer, say):
-    """The training order and the validation windows of the run's source or mixture, and
-    whether any source holds chats (whose windows mark tokens that are no loss target)."""
+    """The training order and the validation windows of the run's source or mixture; whether
+    any source holds chats (whose windows mark tokens that are no loss target); and whether
+    attention stays within documents (``attention_across_documents``)."""
     sources = data_sources(cfg)
-    train, val, chat = [], [], False
+    caches = []
     for source in sources:
         tokens = tokenize_to_cache(
             source.path,
@@ -102,14 +104,22 @@ def _data(cfg: TrainConfig, tokenizer, say):
                 f"training and {len(tokens.val):,} validation tokens, cached in "
                 f"{tokens.directory}"
             )
+        caches.append(tokens)
+    chat = any(tokens.chat for tokens in caches)
+    within = within_documents(cfg, chat)
+    flag = within or cfg.document_positions
+    train, val = [], []
+    for source, t in zip(sources, caches, strict=True):
         where = f"split of {source.path}"
-        train.append(PackedWindows(tokens.train, cfg.seq_len, f"train {where}", tokens.train_loss))
-        val.append(PackedWindows(tokens.val, cfg.seq_len, f"validation {where}", tokens.val_loss))
-        chat = chat or tokens.chat
+        train_docs, val_docs = (t.train_docs, t.val_docs) if flag else (None, None)
+        train.append(
+            PackedWindows(t.train, cfg.seq_len, f"train {where}", t.train_loss, train_docs)
+        )
+        val.append(PackedWindows(t.val, cfg.seq_len, f"validation {where}", t.val_loss, val_docs))
     if len(sources) == 1:
-        return TrainOrder(train[0], cfg.seed), val[0], chat
+        return TrainOrder(train[0], cfg.seed), val[0], chat, within
     order = MixtureOrder(train, [s.weight for s in sources], cfg.seed)
-    return order, InterleavedWindows(val), chat
+    return order, InterleavedWindows(val), chat, within
 
 
 def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> RunState:
@@ -124,7 +134,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
     tokenizer = make_tokenizer(
         cfg.tokenizer, resolve_init_from(cfg.init_from) if cfg.init_from else None
     )
-    order, val_windows, chat = _data(cfg, tokenizer, say)
+    order, val_windows, chat, within = _data(cfg, tokenizer, say)
 
     meta, pretrained = None, None
     if cfg.resume:
@@ -183,6 +193,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
         llama_cfg,
         mesh,
         loss_mask=chat,
+        within_documents=within,
     )
 
     skipped = 0

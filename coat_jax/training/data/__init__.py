@@ -8,6 +8,7 @@
 
 from coat_jax.training.data.cache import CACHE_FORMAT, TokenFiles, split_names, tokenize_to_cache
 from coat_jax.training.data.order import (
+    DOCUMENT_START,
     MIXTURE_BLOCK,
     InterleavedWindows,
     MixtureOrder,
@@ -17,7 +18,12 @@ from coat_jax.training.data.order import (
     mixture_counts,
     validation_batches,
 )
-from coat_jax.training.data.settings import DEFAULT_DATA_PATH, check_data_keys, data_sources
+from coat_jax.training.data.settings import (
+    DEFAULT_DATA_PATH,
+    check_data_keys,
+    data_sources,
+    within_documents,
+)
 from coat_jax.training.data.sources import (
     DataSource,
     read_documents,
@@ -30,6 +36,7 @@ from coat_jax.training.data.tokenizer import Tokenizer, make_tokenizer
 __all__ = [
     "CACHE_FORMAT",
     "DEFAULT_DATA_PATH",
+    "DOCUMENT_START",
     "MIXTURE_BLOCK",
     "DataSource",
     "InterleavedWindows",
@@ -50,4 +57,5 @@ __all__ = [
     "split_names",
     "tokenize_to_cache",
     "validation_batches",
+    "within_documents",
 ]

@@ -14,6 +14,11 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+# Added to the id of a document's first token in a window, where the model is to know the
+# documents apart (``coat_jax.training.model.split_window``): above any vocabulary, below the
+# sign bit that marks tokens that are no loss target.
+DOCUMENT_START = 1 << 30
+
 # Positions per block of a mixture's schedule: each block holds every source its share of
 # positions (rounded), in an order drawn from the seed.
 MIXTURE_BLOCK = 4096
@@ -28,16 +33,24 @@ def loss_tokens(windows: np.ndarray) -> int:
 class PackedWindows:
     """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream.
 
-    With ``loss`` (1 where a token is a loss target, 0 where not: a chat's non-assistant
-    tokens) a token that is no target is given as ``-(id + 1)``, so a window carries its loss
-    mask in one int32 array (``coat_jax.training.model.split_window`` reads it back).
+    With ``doc_starts`` (the offsets where documents start) a document's first token is given
+    as ``id + DOCUMENT_START``; with ``loss`` (1 where a token is a loss target, 0 where not: a
+    chat's non-assistant tokens) a token that is no target is then given as ``-(value + 1)``.
+    So a window carries its documents and its loss mask in one int32 array
+    (``coat_jax.training.model.split_window`` reads them back).
     """
 
     def __init__(
-        self, tokens: np.ndarray, seq_len: int, split: str, loss: np.ndarray | None = None
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        split: str,
+        loss: np.ndarray | None = None,
+        doc_starts: np.ndarray | None = None,
     ):
         self.tokens = tokens
         self.loss = loss
+        self.doc_starts = doc_starts
         self.seq_len = seq_len
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < 1:
@@ -50,6 +63,9 @@ class PackedWindows:
         starts = np.asarray(window_ids, dtype=np.int64) * self.seq_len
         index = starts[:, None] + np.arange(self.seq_len + 1)
         windows = np.asarray(self.tokens[index], dtype=np.int32)
+        if self.doc_starts is not None:
+            first = np.isin(index, self.doc_starts)
+            windows = np.where(first, windows + DOCUMENT_START, windows)
         if self.loss is not None:
             windows = np.where(self.loss[index] != 0, windows, -windows - 1)
         return windows

@@ -30,8 +30,21 @@ def check_data_keys(cfg) -> None:
                 "val_documents names documents of one source, and sources has "
                 f"{len(cfg.sources)}; hold out with val_fraction, or use one source"
             )
+    if cfg.attention_across_documents is False and cfg.fp8_attention_backward != "recompute":
+        raise ValueError(
+            f"attention_across_documents=false masks attention between documents, and "
+            f"fp8_attention_backward={cfg.fp8_attention_backward} cannot take that mask; set "
+            "fp8_attention_backward=recompute, or attention_across_documents=true"
+        )
     if not cfg.text_field:
         raise ValueError("text_field is empty; name the field that holds the text, e.g. text")
+
+
+def within_documents(cfg, chat: bool) -> bool:
+    """Whether attention stays within documents: ``attention_across_documents`` false, or
+    unset with data that has chats."""
+    across = cfg.attention_across_documents
+    return not (across if across is not None else not chat)
 
 
 def data_sources(cfg) -> tuple[DataSource, ...]:
