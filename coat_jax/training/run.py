@@ -88,8 +88,8 @@ def _data(cfg: TrainConfig, tokenizer, say):
     any source holds chats (whose windows mark tokens that are no loss target); and whether
     attention stays within documents (``attention_across_documents``)."""
     sources = data_sources(cfg)
-    caches = []
-    for source in sources:
+
+    def tokenized(source):
         tokens = tokenize_to_cache(
             source.path,
             tokenizer,
@@ -104,7 +104,19 @@ def _data(cfg: TrainConfig, tokenizer, say):
                 f"training and {len(tokens.val):,} validation tokens, cached in "
                 f"{tokens.directory}"
             )
-        caches.append(tokens)
+        return tokens
+
+    # The main process tokenizes while the others wait, then they find the caches it wrote (in
+    # a cache_dir they share; on a host of its own a process tokenizes for itself). A source
+    # the main process fails on fails the same way in the others.
+    if distributed.is_main_process():
+        try:
+            caches = [tokenized(source) for source in sources]
+        finally:
+            distributed.sync("coat_jax tokenized")
+    else:
+        distributed.sync("coat_jax tokenized")
+        caches = [tokenized(source) for source in sources]
     chat = any(tokens.chat for tokens in caches)
     within = within_documents(cfg, chat)
     flag = within or cfg.document_positions
