@@ -113,25 +113,67 @@ def tokenize_to_cache(
     )
 
 
-def _encode(tokenizer: Tokenizer, documents) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """``(ids + [eos], loss targets or None)`` of each document; a chat's EOS is no target
-    (the template's end of turn is the assistant's)."""
+# A source is read and tokenized this many documents (or characters) at a time, so that host
+# memory holds one such chunk whatever the source's size.
+CHUNK_DOCUMENTS = 4096
+CHUNK_CHARS = 1 << 26
+
+
+def _chunks(documents):
+    chunk, chars = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        chars += len(doc[1]) if isinstance(doc[1], str) else 0
+        if len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encode(tokenizer: Tokenizer, documents) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(ids + [eos], loss targets)`` of each document; a chat's EOS is no target (the
+    template's end of turn is the assistant's)."""
     texts = [doc for _, doc, _ in documents if isinstance(doc, str)]
     encoded = iter(tokenizer.encode_many(texts))
     out = []
     for name, doc, _ in documents:
         if isinstance(doc, str):
-            out.append((np.concatenate([next(encoded), [tokenizer.eos_id]]), None))
+            ids = np.concatenate([next(encoded), [tokenizer.eos_id]])
+            out.append((ids, np.ones(len(ids), dtype=bool)))
         else:
             ids, assistant = tokenizer.encode_chat(doc, repr(name))
             out.append((np.concatenate([ids, [tokenizer.eos_id]]), np.append(assistant, False)))
     return out
 
 
-def _held_out_records(count: int, val_fraction: float) -> np.ndarray:
-    """Which of ``count`` records go to validation: ``val_fraction`` of them, evenly spaced."""
-    i = np.arange(count)
-    return np.floor((i + 1) * val_fraction) > np.floor(i * val_fraction)
+def _is_held_out_record(index: int, val_fraction: float) -> bool:
+    """Whether record ``index`` goes to validation: ``val_fraction`` of them, evenly spaced."""
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+class _SplitWriter:
+    """Appends one split's documents to its token, document-start and loss files."""
+
+    def __init__(self, folder: Path, split: str, dtype):
+        self.dtype = dtype
+        self.files = [
+            open(folder / f"{split}{ext}", "wb") for ext in (".bin", ".docs.bin", ".loss.bin")
+        ]
+        self.tokens = 0
+
+    def append(self, ids: np.ndarray, targets: np.ndarray) -> None:
+        if not len(ids):
+            return
+        tokens, docs, loss = self.files
+        docs.write(np.int64(self.tokens).tobytes())
+        tokens.write(ids.astype(self.dtype).tobytes())
+        loss.write(targets.astype(np.uint8).tobytes())
+        self.tokens += len(ids)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
 
 
 def _write_cache(
@@ -144,41 +186,40 @@ def _write_cache(
     held_out=(),
 ) -> None:
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    documents = read_source(data_path, text_field)
-    names = [name for name, _, _ in documents]
-    missing = [n for n in held_out if n not in names]
-    if missing:
-        shown = names if len(names) <= 20 else [*names[:20], "..."]
-        raise ValueError(
-            f"val_documents names {missing} not in {data_path!r}; its documents are "
-            f"{shown}; name some of them (comma-separated) or set val_documents=null"
-        )
-    if held_out and len(held_out) == len(names):
-        raise ValueError(
-            f"val_documents holds out every document of {data_path!r}, leaving no training "
-            "text; hold out fewer"
-        )
-    records = [r for _, _, r in documents]
-    record_val = iter(_held_out_records(sum(records), val_fraction))
-    chat = any(not isinstance(doc, str) for _, doc, _ in documents)
-    parts = {"train": [], "val": []}
-    for (name, _, is_record), (ids, targets) in zip(
-        documents, _encode(tokenizer, documents), strict=True
-    ):
-        if targets is None:
-            targets = np.ones(len(ids), dtype=bool)
-        if held_out or is_record:
-            to_val = name in held_out if held_out else next(record_val)
-            parts["val" if to_val else "train"].append((ids, targets))
-            continue
-        cut = int(round(len(ids) * (1.0 - val_fraction)))
-        parts["train"].append((ids[:cut], targets[:cut]))
-        parts["val"].append((ids[cut:], targets[cut:]))
     root.mkdir(parents=True, exist_ok=True)
-    # Written in a scratch directory and renamed into place, so a crash never leaves a cache
-    # that looks complete; a concurrent writer that wins the rename is equally good.
+    # Written in a scratch directory and renamed into place once the whole source is read, so
+    # a crash or bad data never leaves a cache that looks complete; a concurrent writer that
+    # wins the rename is equally good.
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    splits = {}
     try:
+        for name in ("train", "val"):
+            splits[name] = _SplitWriter(tmp, name, dtype)
+        names, held, records, chat = [], 0, 0, False
+        for chunk in _chunks(read_source(data_path, text_field)):
+            for (name, doc, is_record), (ids, targets) in zip(
+                chunk, _encode(tokenizer, chunk), strict=True
+            ):
+                chat = chat or not isinstance(doc, str)
+                if held_out:
+                    names.append(name)
+                    to_val = name in held_out
+                    held += to_val
+                elif is_record:
+                    to_val = _is_held_out_record(records, val_fraction)
+                    records += 1
+                else:
+                    cut = int(round(len(ids) * (1.0 - val_fraction)))
+                    splits["train"].append(ids[:cut], targets[:cut])
+                    splits["val"].append(ids[cut:], targets[cut:])
+                    continue
+                splits["val" if to_val else "train"].append(ids, targets)
+        for split in splits.values():
+            split.close()
+        _check_held_out(data_path, held_out, names, held)
+        if not chat:
+            for split in splits:
+                (tmp / f"{split}.loss.bin").unlink()
         meta = {
             "format": CACHE_FORMAT,
             "source": data_path,
@@ -186,20 +227,8 @@ def _write_cache(
             "tokenizer": tokenizer.identity,
             "dtype": np.dtype(dtype).name,
             "chat": chat,
+            **{f"{name}_tokens": split.tokens for name, split in splits.items()},
         }
-        for split_name, pieces in parts.items():
-            pieces = [(i, t) for i, t in pieces if len(i)] or [
-                (np.zeros(0, np.int64), np.zeros(0, bool))
-            ]
-            tokens = np.concatenate([i for i, _ in pieces]).astype(dtype)
-            tokens.tofile(tmp / f"{split_name}.bin")
-            starts = np.cumsum([0] + [len(i) for i, _ in pieces[:-1]]).astype(np.int64)
-            starts.tofile(tmp / f"{split_name}.docs.bin")
-            if chat:
-                np.concatenate([t for _, t in pieces]).astype(np.uint8).tofile(
-                    tmp / f"{split_name}.loss.bin"
-                )
-            meta[f"{split_name}_tokens"] = len(tokens)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(tmp, final)
@@ -207,4 +236,22 @@ def _write_cache(
             if not (final / "meta.json").exists():
                 raise
     finally:
+        for split in splits.values():
+            split.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_held_out(data_path: str, held_out, names: list[str], held: int) -> None:
+    known = set(names)
+    missing = [n for n in held_out if n not in known]
+    if missing:
+        shown = names if len(names) <= 20 else [*names[:20], "..."]
+        raise ValueError(
+            f"val_documents names {missing} not in {data_path!r}; its documents are "
+            f"{shown}; name some of them (comma-separated) or set val_documents=null"
+        )
+    if held_out and held == len(names):
+        raise ValueError(
+            f"val_documents holds out every document of {data_path!r}, leaving no training "
+            "text; hold out fewer"
+        )

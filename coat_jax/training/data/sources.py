@@ -16,6 +16,7 @@ import glob
 import hashlib
 import json
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,9 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[Document]
     return [(name, doc) for name, doc, _ in read_source(path, text_field)]
 
 
-def read_source(path: str | Path, text_field: str = "text") -> list[tuple[str, Any, bool]]:
-    """``(name, document, is_record)`` of a source, in order; empty texts are left out.
+def read_source(path: str | Path, text_field: str = "text") -> Iterator[tuple[str, Any, bool]]:
+    """``(name, document, is_record)`` of a source, in order, one at a time (a record file is
+    read a line or a batch of rows at a time); empty texts are left out.
 
     A text file's name is its path relative to the source's folder (a tar member's, its name in
     the archive); a record's is its file's name and ``:LINE`` (JSON Lines) or ``:ROW``
@@ -129,29 +131,36 @@ def read_source(path: str | Path, text_field: str = "text") -> list[tuple[str, A
 
     Raises:
       ValueError: one line naming the file, the record and the fix (not UTF-8, not valid
-        JSON, no ``text_field``, a bad chat, an unreadable file), or no text at all.
+        JSON, no ``text_field``, a bad chat, an unreadable file), or, once the source is read,
+        no text at all.
     """
     root, files = source_files(str(path))
-    docs = []
+    found = False
     for f in files:
         name = str(f.relative_to(root)) if f != root else f.name
         if f.suffix in RECORD_SUFFIXES:
-            docs += [(n, d, True) for n, d in _read_records(f, name, text_field)]
+            docs = ((n, d, True) for n, d in _read_records(f, name, text_field))
         elif tarfile.is_tarfile(f):
-            with tarfile.open(f) as tar:
-                members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
-                for m in members:
-                    raw = tar.extractfile(m).read()
-                    docs.append((m.name, _utf8(raw, f"{m.name!r} in {str(f)!r}"), False))
+            docs = _read_tar(f)
         else:
-            docs.append((name, _utf8(f.read_bytes(), repr(str(f))), False))
-    docs = [(n, d, r) for n, d, r in docs if not isinstance(d, str) or d.strip()]
-    if not docs:
+            docs = [(name, _utf8(f.read_bytes(), repr(str(f))), False)]
+        for doc in docs:
+            if not isinstance(doc[1], str) or doc[1].strip():
+                found = True
+                yield doc
+    if not found:
         raise ValueError(
             f"no documents found in {str(path)!r}; point data_path at text, .jsonl, .json, "
             ".parquet or .arrow files that hold some"
         )
-    return docs
+
+
+def _read_tar(f: Path) -> Iterator[tuple[str, str, bool]]:
+    with tarfile.open(f) as tar:
+        members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
+        for m in members:
+            raw = tar.extractfile(m).read()
+            yield m.name, _utf8(raw, f"{m.name!r} in {str(f)!r}"), False
 
 
 def _utf8(raw: bytes, where: str) -> str:
@@ -164,10 +173,9 @@ def _utf8(raw: bytes, where: str) -> str:
         ) from None
 
 
-def _read_records(f: Path, name: str, text_field: str) -> list[Document]:
+def _read_records(f: Path, name: str, text_field: str) -> Iterator[Document]:
     where = repr(str(f))
     if f.suffix == ".jsonl":
-        out = []
         with open(f, "rb") as fh:
             for line_no, raw in enumerate(fh, 1):
                 if not raw.strip():
@@ -180,10 +188,8 @@ def _read_records(f: Path, name: str, text_field: str) -> list[Document]:
                         f"data file {where} line {line_no} is not valid JSON ({e.msg}, column "
                         f"{e.colno}); fix or delete that line"
                     ) from None
-                out.append(
-                    _document(record, f"{where} line {line_no}", text_field, f"{name}:{line_no}")
-                )
-        return out
+                yield _document(record, f"{where} line {line_no}", text_field, f"{name}:{line_no}")
+        return
     if f.suffix == ".json":
         text = _utf8(f.read_bytes(), where)
         try:
@@ -198,34 +204,45 @@ def _read_records(f: Path, name: str, text_field: str) -> list[Document]:
                 f"data file {where} holds a JSON {type(records).__name__}, not an array of "
                 "records; write [{...}, {...}] or one record a line in a .jsonl file"
             )
-        return [
-            _document(r, f"{where} record {i}", text_field, f"{name}:{i}")
-            for i, r in enumerate(records)
-        ]
-    table = _read_table(f)
-    rows = table.to_pylist() if "messages" in table.column_names else None
-    if text_field in table.column_names:
-        rows = [{text_field: v} for v in table.column(text_field).to_pylist()]
-    elif rows is None:
-        raise ValueError(
-            f"data file {where} has no column {text_field!r} (its columns: "
-            f"{table.column_names}); set text_field to the one holding the text"
-        )
-    return [_document(r, f"{where} row {i}", text_field, f"{name}:{i}") for i, r in enumerate(rows)]
+        for i, r in enumerate(records):
+            yield _document(r, f"{where} record {i}", text_field, f"{name}:{i}")
+        return
+    row = 0
+    for batch in _record_batches(f, text_field):
+        for r in batch.to_pylist():
+            yield _document(r, f"{where} row {row}", text_field, f"{name}:{row}")
+            row += 1
 
 
-def _read_table(f: Path) -> pa.Table:
+def _record_batches(f: Path, text_field: str) -> Iterator[pa.RecordBatch]:
+    """The rows of a Parquet or Arrow file a batch at a time, only the text field's column (or,
+    without one, a chat's ``messages``)."""
     kind = "Parquet" if f.suffix == ".parquet" else "Arrow"
     try:
         if f.suffix == ".parquet":
-            return pq.read_table(f)
-        with pa.memory_map(str(f)) as source:
-            return pa.ipc.open_stream(source).read_all()
+            reader = pq.ParquetFile(f)
+            names = reader.schema_arrow.names
+            columns = [text_field] if text_field in names else ["messages"]
+            if columns[0] in names:
+                yield from reader.iter_batches(columns=columns)
+        else:
+            with pa.memory_map(str(f)) as source:
+                reader = pa.ipc.open_stream(source)
+                names = reader.schema.names
+                if text_field in names or "messages" in names:
+                    column = text_field if text_field in names else "messages"
+                    for batch in reader:
+                        yield batch.select([column])
     except (pa.ArrowException, OSError) as e:
         raise ValueError(
             f"data file {str(f)!r} is not a readable {kind} file ({e}); rewrite it or leave "
             "it out of data_path"
         ) from None
+    if text_field not in names and "messages" not in names:
+        raise ValueError(
+            f"data file {str(f)!r} has no column {text_field!r} (its columns: {names}); set "
+            "text_field to the one holding the text"
+        )
 
 
 def _document(record: Any, where: str, text_field: str, name: str) -> Document:
