@@ -97,6 +97,7 @@ def _data(cfg: TrainConfig, tokenizer, say):
             cfg.val_fraction,
             cfg.val_documents,
             source.text_field or cfg.text_field,
+            progress=cfg.progress_bar and distributed.is_main_process(),
         )
         if tokens.tokenized_s is not None:
             say(

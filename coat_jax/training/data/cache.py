@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from coat_jax.training.data.sources import read_source, source_digest
 from coat_jax.training.data.tokenizer import Tokenizer
@@ -67,6 +68,7 @@ def tokenize_to_cache(
     val_fraction: float,
     val_documents: str | None = None,
     text_field: str = "text",
+    progress: bool = False,
 ) -> TokenFiles:
     """Tokenizes a source once and memory-maps its cached train and validation streams.
 
@@ -74,7 +76,7 @@ def tokenize_to_cache(
     :func:`~coat_jax.training.data.sources.read_documents` names them) those documents are held
     out whole for validation and the others are all training text: a split by document, so no
     validation text is ever trained on. Otherwise ``val_fraction`` is held out as the module
-    says.
+    says. ``progress``: a progress bar of the documents and tokens tokenized (on stderr).
     """
     held_out = split_names(val_documents)
     split = {"val_documents": list(held_out)} if held_out else val_fraction
@@ -85,7 +87,9 @@ def tokenize_to_cache(
     tokenized_s = None
     if not (final / "meta.json").exists():
         started = time.perf_counter()
-        _write_cache(data_path, text_field, tokenizer, val_fraction, root, final, held_out)
+        _write_cache(
+            data_path, text_field, tokenizer, val_fraction, root, final, held_out, progress
+        )
         tokenized_s = time.perf_counter() - started
     meta = json.loads((final / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"])
@@ -184,6 +188,7 @@ def _write_cache(
     root: Path,
     final: Path,
     held_out=(),
+    progress: bool = False,
 ) -> None:
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     root.mkdir(parents=True, exist_ok=True)
@@ -192,6 +197,7 @@ def _write_cache(
     # wins the rename is equally good.
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     splits = {}
+    bar = tqdm(desc=f"tokenizing {data_path}", unit=" docs", disable=not progress)
     try:
         for name in ("train", "val"):
             splits[name] = _SplitWriter(tmp, name, dtype)
@@ -214,6 +220,9 @@ def _write_cache(
                     splits["val"].append(ids[cut:], targets[cut:])
                     continue
                 splits["val" if to_val else "train"].append(ids, targets)
+            bar.update(len(chunk))
+            tokens = splits["train"].tokens + splits["val"].tokens
+            bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s")
         for split in splits.values():
             split.close()
         _check_held_out(data_path, held_out, names, held)
@@ -236,6 +245,7 @@ def _write_cache(
             if not (final / "meta.json").exists():
                 raise
     finally:
+        bar.close()
         for split in splits.values():
             split.close()
         shutil.rmtree(tmp, ignore_errors=True)
