@@ -120,13 +120,30 @@ def attention_implementation(dtype, choice: str = "auto") -> str:
     return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
 
 
-def attend(q, k, v, *, is_causal: bool, implementation: str, mask=None, window=None):
+def attend(
+    q, k, v, *, is_causal: bool, implementation: str, mask=None, window=None, segment_ids=None
+):
     """``jax.nn.dot_product_attention`` of q ``[B, T, N, H]`` and k, v ``[B, S, K, H]`` (GQA),
     scale ``1/sqrt(H)``, on ``implementation`` (``"cudnn"`` or ``"xla"``, as
     :func:`attention_implementation` resolves it); ``mask`` (boolean, broadcast to ``[B, N, T,
     S]``): which keys each query may attend to, besides the causal mask; ``window`` (an int):
     each query attends to at most the ``window`` latest keys, itself included (Mistral's
-    sliding window, as transformers masks it)."""
+    sliding window, as transformers masks it). ``segment_ids`` (int ``[B, T]``, self-attention,
+    T == S): a query attends only to keys of its own segment (the documents of a packed window);
+    XLA's implementation only, as the trainer runs it.
+
+    Raises:
+      ValueError: ``segment_ids`` with ``implementation="cudnn"``.
+    """
+    if segment_ids is not None:
+        if implementation != "xla":
+            raise ValueError(
+                f"attention between documents is masked on XLA's attention only, and this one "
+                f"runs on {implementation!r}; use implementation='xla' (the trainer does so "
+                "with attention_across_documents=false)"
+            )
+        same_B1TS = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = same_B1TS if mask is None else mask & same_B1TS
     return jax.nn.dot_product_attention(
         q,
         k,

@@ -315,7 +315,8 @@ def recorded_attention(config: FP8Config, recorder: ScaleRecorder):
     the q, k and v it keeps (``Llama(fp8_attention=True)`` under the activation telemetry)."""
 
     def attention(q, k, v):
-        out, scales = observed_attention(q, k, v, True, config)
+        # No segment ids: attention within documents runs without the telemetry.
+        out, scales = observed_attention(q, k, v, True, config, None)
         recorder.record_group(scales)
         return out
 

@@ -160,14 +160,27 @@ def group_scaled(
     return ("input_layernorm", *qk, *attention, "post_attention_layernorm", *mlp)
 
 
-def _model_ops(precision: str, config: FP8Config, fp8_attn: bool, dtype, recorder=None) -> OpSet:
+def _model_ops(
+    precision: str, config: FP8Config, fp8_attn: bool, dtype, recorder=None, segment_ids_BT=None
+) -> OpSet:
     """The op set of a model (:meth:`Llama.ops`) of compute ``dtype``; with ``recorder``, ops
     that hand it the scales they quantize with. The model's own attention takes the kernel
-    ``config.attention`` resolves to for ``dtype``."""
+    ``config.attention`` resolves to for ``dtype``; with ``segment_ids_BT`` attention stays
+    within each segment (the documents of packed windows)."""
     ops = ops_for(precision, config, recorder=recorder)
+    if (
+        segment_ids_BT is not None
+        and fp8_attn
+        and (recorder is not None or config.attention_backward == "saved_output")
+    ):
+        raise ValueError(
+            "attention within documents (segment ids) runs FP8 attention with "
+            "attention_backward='recompute' and without the activation telemetry; use those, "
+            "or attend across documents"
+        )
     if fp8_attn:
         if recorder is None:
-            attention = lambda q, k, v: fp8_attention(q, k, v, True, config)
+            attention = lambda q, k, v: fp8_attention(q, k, v, True, config, segment_ids_BT)
             attention_linear = lambda q, k, v, w: fp8_attention_linear(q, k, v, w, True, config)
         else:
             attention = recorded_attention(config, recorder)
@@ -177,16 +190,20 @@ def _model_ops(precision: str, config: FP8Config, fp8_attn: bool, dtype, recorde
             ops = ops._replace(attention_linear=attention_linear)
     elif ops.attention is None:
         impl = attention_implementation(dtype, config.attention)
-        ops = ops._replace(attention=functools.partial(causal_attention, implementation=impl))
+        ops = ops._replace(
+            attention=functools.partial(
+                causal_attention, implementation=impl, segment_ids_BT=segment_ids_BT
+            )
+        )
     return ops
 
 
 def _recording(
-    precision: str, config: FP8Config, fp8_attn: bool, dtype
+    precision: str, config: FP8Config, fp8_attn: bool, dtype, segment_ids_BT=None
 ) -> tuple[ScaleRecorder, OpSet]:
     """A fresh :class:`ScaleRecorder` and the model's ops that hand it their scales."""
     recorder = ScaleRecorder(config)
-    return recorder, _model_ops(precision, config, fp8_attn, dtype, recorder)
+    return recorder, _model_ops(precision, config, fp8_attn, dtype, recorder, segment_ids_BT)
 
 
 def check_precision(precision: str) -> str:
@@ -334,12 +351,19 @@ class Llama(nnx.Module):
             )
 
     def hidden_states(
-        self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None
+        self,
+        input_ids_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        segment_ids_BT: jax.Array | None = None,
     ) -> jax.Array:
-        """The final normed hidden states [B, T, D] in the compute dtype (before the LM head)."""
+        """The final normed hidden states [B, T, D] in the compute dtype (before the LM head);
+        with ``segment_ids_BT`` (int [B, T]) a token attends only to tokens of its own segment
+        (the documents of a packed window), on XLA's attention."""
         check_input_ids(input_ids_BT)
         x_BTD = self.decoder(
-            self.embed(input_ids_BT), default_positions(input_ids_BT, positions_BT)
+            self.embed(input_ids_BT),
+            default_positions(input_ids_BT, positions_BT),
+            segment_ids_BT,
         )
         return self.norm(x_BTD, self.ops())
 
@@ -349,16 +373,29 @@ class Llama(nnx.Module):
         # materialize a second [vocab, hidden] copy every step.
         return jnp.take(self.embed_tokens[...], input_ids_BT, axis=0).astype(self.dtype)
 
-    def ops(self, recorder: ScaleRecorder | None = None) -> OpSet:
+    def ops(self, recorder: ScaleRecorder | None = None, segment_ids_BT=None) -> OpSet:
         """The op set of this model's precision (with FP8 attention if asked for); with
-        ``recorder``, FP8 ops that hand it the scales they quantize with (same results)."""
-        return _model_ops(self.precision, self.fp8_config, self.fp8_attention, self.dtype, recorder)
+        ``recorder``, FP8 ops that hand it the scales they quantize with (same results); with
+        ``segment_ids_BT``, attention within each segment."""
+        return _model_ops(
+            self.precision,
+            self.fp8_config,
+            self.fp8_attention,
+            self.dtype,
+            recorder,
+            segment_ids_BT,
+        )
 
-    def _recording(self):
+    def _recording(self, segment_ids_BT=None):
         """``() -> (ScaleRecorder, OpSet)``: a fresh recorder and this model's ops that record
         into it (static: a layer's function calls it inside its own trace)."""
         return functools.partial(
-            _recording, self.precision, self.fp8_config, self.fp8_attention, self.dtype
+            _recording,
+            self.precision,
+            self.fp8_config,
+            self.fp8_attention,
+            self.dtype,
+            segment_ids_BT=segment_ids_BT,
         )
 
     def activation_names(self) -> dict[str, tuple[str, ...]]:
@@ -385,7 +422,7 @@ class Llama(nnx.Module):
             "norm": ("norm",) if self.precision == "coat" else (),
         }
 
-    def scanned_layer(self, *, observed: bool = False):
+    def scanned_layer(self, *, observed: bool = False, segment_ids_BT=None):
         """``(layer, stacked)`` of a scanned model: one decoder layer as a function and the state.
 
         ``layer(x_BTD, layer_state, positions_BT, codes=None) -> x_BTD`` runs one layer (under
@@ -394,7 +431,7 @@ class Llama(nnx.Module):
         scans it. For code that drives the layers itself (``coat_jax.training.layerwise``).
         With ``observed``, ``layer(x_BTD, layer_state, positions_BT, codes, observe) -> (x_BTD,
         scales)``: the layer's activation scales as :meth:`observed_decoder` gives them per
-        layer.
+        layer. ``segment_ids_BT``: attention within each segment (:meth:`hidden_states`).
         """
         if not self.scan_layers:
             raise ValueError("scanned_layer() needs a model built with scan_layers=True")
@@ -402,10 +439,10 @@ class Llama(nnx.Module):
         layer = _layer_fn(
             graphdef,
             self.remat,
-            self.ops(),
+            self.ops(segment_ids_BT=segment_ids_BT),
             rope_inv_freq(self.config),
             in_scan=True,
-            recording=self._recording() if observed else None,
+            recording=self._recording(segment_ids_BT) if observed else None,
         )
         return layer, stacked
 
@@ -426,11 +463,14 @@ class Llama(nnx.Module):
             for part, names in LINEAR_WEIGHTS.items()
         }
 
-    def decoder(self, x_BTD: jax.Array, positions_BT: jax.Array) -> jax.Array:
-        """The decoder layers on embedded inputs [B, T, D] (scanned or not, under the remat)."""
-        return self._decoder(x_BTD, positions_BT, None)[0]
+    def decoder(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT=None) -> jax.Array:
+        """The decoder layers on embedded inputs [B, T, D] (scanned or not, under the remat);
+        ``segment_ids_BT``: attention within each segment (:meth:`hidden_states`)."""
+        return self._decoder(x_BTD, positions_BT, None, segment_ids_BT)[0]
 
-    def observed_decoder(self, x_BTD: jax.Array, positions_BT: jax.Array, observe) -> tuple:
+    def observed_decoder(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, observe, segment_ids_BT=None
+    ) -> tuple:
         """:meth:`decoder` and the scales its FP8 ops quantize activations with:
         ``(x_BTD, scales)``, ``scales`` each layer's ``ScaleRecorder.summary(observe)``
         stacked on a leading layer axis (``{"linear": [L, n], "group": {"max", "min",
@@ -438,14 +478,16 @@ class Llama(nnx.Module):
         says whether the per-group reductions are computed (placeholders where not). The
         same result as :meth:`decoder`, bit for bit.
         """
-        return self._decoder(x_BTD, positions_BT, observe)
+        return self._decoder(x_BTD, positions_BT, observe, segment_ids_BT)
 
-    def _decoder(self, x_BTD, positions_BT, observe):
-        recording = None if observe is None else self._recording()
+    def _decoder(self, x_BTD, positions_BT, observe, segment_ids_BT=None):
+        recording = None if observe is None else self._recording(segment_ids_BT)
         # observe=None runs the layers exactly as without the telemetry (the same program).
         extra = () if observe is None else (observe,)
         if self.scan_layers:
-            layer, stacked = self.scanned_layer(observed=observe is not None)
+            layer, stacked = self.scanned_layer(
+                observed=observe is not None, segment_ids_BT=segment_ids_BT
+            )
 
             def body(x_BTD, xs):
                 layer_state, codes = xs
@@ -453,7 +495,7 @@ class Llama(nnx.Module):
                 return out if observe is not None else (out, None)
 
             return jax.lax.scan(body, x_BTD, (stacked, self.weight_codes(stacked)))
-        ops = self.ops()
+        ops = self.ops(segment_ids_BT=segment_ids_BT)
         inv_freq = rope_inv_freq(self.config)
         scales = []
         for decoder_layer in self.layers:
@@ -475,7 +517,11 @@ class Llama(nnx.Module):
         return self.norm(x_BTD, ops), recorder.summary(observe)
 
     def observed_hidden_states(
-        self, input_ids_BT: jax.Array, observe, positions_BT: jax.Array | None = None
+        self,
+        input_ids_BT: jax.Array,
+        observe,
+        positions_BT: jax.Array | None = None,
+        segment_ids_BT: jax.Array | None = None,
     ) -> tuple:
         """:meth:`hidden_states` and the scales the FP8 ops quantized activations with:
         ``(hidden_BTD, {"layers": observed_decoder's scales, "norm": observed_norm's})``.
@@ -485,7 +531,10 @@ class Llama(nnx.Module):
         """
         check_input_ids(input_ids_BT)
         x_BTD, layers = self.observed_decoder(
-            self.embed(input_ids_BT), default_positions(input_ids_BT, positions_BT), observe
+            self.embed(input_ids_BT),
+            default_positions(input_ids_BT, positions_BT),
+            observe,
+            segment_ids_BT,
         )
         hidden_BTD, norm = self.observed_norm(x_BTD, observe)
         return hidden_BTD, {"layers": layers, "norm": norm}

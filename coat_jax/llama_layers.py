@@ -40,19 +40,29 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
     return x_BTNH * cos + rotated * sin
 
 
-def _model_attention(dtype, implementation: str, window: int | None = None):
-    """Causal :func:`coat_jax.attention.attend` on the kernel ``implementation`` resolves to;
-    XLA's under ``jax.checkpoint``, since it would keep the [B, N, T, T] probabilities."""
+def _model_attention(dtype, implementation: str, window: int | None = None, segment_ids_BT=None):
+    """Causal :func:`coat_jax.attention.attend` on the kernel ``implementation`` resolves to
+    (within the segments ``segment_ids_BT`` marks, if given); XLA's under ``jax.checkpoint``,
+    since it would keep the [B, N, T, T] probabilities."""
     impl = attention.attention_implementation(dtype, implementation)
     attend_fn = functools.partial(
-        attention.attend, is_causal=True, implementation=impl, window=window
+        attention.attend,
+        is_causal=True,
+        implementation=impl,
+        window=window,
+        segment_ids=segment_ids_BT,
     )
     return jax.checkpoint(attend_fn) if impl == "xla" else attend_fn
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def causal_attention(
-    q_BTNH, k_BTKH, v_BTKH, implementation: str = "auto", window: int | None = None
+    q_BTNH,
+    k_BTKH,
+    v_BTKH,
+    implementation: str = "auto",
+    window: int | None = None,
+    segment_ids_BT=None,
 ) -> jax.Array:
     """Causal GQA attention via `jax.nn.dot_product_attention` (its native GQA support).
 
@@ -63,18 +73,23 @@ def causal_attention(
     `jax.vjp` of the attention, whose pullback's arrays are exactly its residuals.
     ``implementation`` (static): as :attr:`coat_jax.fp8_ops.FP8Config.attention`; ``window``
     (static): a sliding window, as :func:`coat_jax.attention.attend`'s, or ``None``.
+    ``segment_ids_BT`` (int ``[B, T]``, or None): a query attends only to keys of its own
+    segment (the documents of a packed window; XLA's attention only).
     """
-    return _model_attention(q_BTNH.dtype, implementation, window)(q_BTNH, k_BTKH, v_BTKH)
+    attend_fn = _model_attention(q_BTNH.dtype, implementation, window, segment_ids_BT)
+    return attend_fn(q_BTNH, k_BTKH, v_BTKH)
 
 
-def _causal_attention_fwd(q_BTNH, k_BTKH, v_BTKH, implementation="auto", window=None):
-    attend_fn = _model_attention(q_BTNH.dtype, implementation, window)
+def _causal_attention_fwd(
+    q_BTNH, k_BTKH, v_BTKH, implementation="auto", window=None, segment_ids_BT=None
+):
+    attend_fn = _model_attention(q_BTNH.dtype, implementation, window, segment_ids_BT)
     out, pullback = jax.vjp(attend_fn, q_BTNH, k_BTKH, v_BTKH)
     return out, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION), pullback)
 
 
 def _causal_attention_bwd(implementation, window, pullback, dout):
-    return pullback(dout)
+    return (*pullback(dout), None)
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)

@@ -23,6 +23,7 @@ def fp8_attention(
     v: jax.Array,
     is_causal: bool = True,
     config: FP8Config = DEFAULT_CONFIG,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Attention in BF16 that keeps FP8 q, k, v (1x16 along the head dim) for backward.
 
@@ -33,8 +34,10 @@ def fp8_attention(
     Args:
       q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (GQA when ``K`` divides ``N``), one dtype.
       is_causal: static; config: static :class:`FP8Config`.
+      segment_ids: int ``[B, T]`` or None: a query attends only to keys of its own segment
+        (``coat_jax.attention.attend``; XLA's attention only).
     """
-    return _fp8_attention_fwd(q, k, v, is_causal, config)[0]
+    return _fp8_attention_fwd(q, k, v, is_causal, config, segment_ids)[0]
 
 
 def _check_attention_inputs(q, k, v):
@@ -56,19 +59,24 @@ def _kept_qkv(q, k, v, config):
     return keep(pin(tuple(saved), config))
 
 
-def _fp8_attention_fwd(q, k, v, is_causal, config):
+def _fp8_attention_fwd(q, k, v, is_causal, config, segment_ids=None):
     _check_attention_inputs(q, k, v)
     impl = attention.attention_implementation(q.dtype, config.attention)
-    out = attention.attend(q, k, v, is_causal=is_causal, implementation=impl)
-    return out, _kept_qkv(q, k, v, config)
+    out = attention.attend(
+        q, k, v, is_causal=is_causal, implementation=impl, segment_ids=segment_ids
+    )
+    return out, (_kept_qkv(q, k, v, config), segment_ids)
 
 
 def _fp8_attention_bwd(is_causal, config, res, dy):
-    q, k, v = (t.dequantize().astype(dy.dtype) for t in res)
+    kept, segment_ids = res
+    q, k, v = (t.dequantize().astype(dy.dtype) for t in kept)
     impl = attention.attention_implementation(q.dtype, config.attention)
-    attend = functools.partial(attention.attend, is_causal=is_causal, implementation=impl)
+    attend = functools.partial(
+        attention.attend, is_causal=is_causal, implementation=impl, segment_ids=segment_ids
+    )
     _, pullback = jax.vjp(attend, q, k, v)
-    return pullback(dy)
+    return (*pullback(dy), None)
 
 
 fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)

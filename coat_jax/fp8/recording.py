@@ -46,7 +46,9 @@ observed_rmsnorm = observed_variant(fp8_rmsnorm, lambda r: (r[0].scale,))
 observed_silu = observed_variant(fp8_silu, lambda r: (r.scale,))
 observed_mul = observed_variant(fp8_mul, lambda r: (r[0].scale, r[1].scale))
 observed_swiglu = observed_variant(fp8_swiglu, lambda r: (r[0].scale, r[1].scale))
-observed_attention = observed_variant(fp8_attention, lambda r: tuple(t.scale for t in r))
+# ``fp8_attention``'s residuals are its kept q, k, v and the segment ids (called with all six
+# arguments, so that its backward's cotangents match them).
+observed_attention = observed_variant(fp8_attention, lambda r: tuple(t.scale for t in r[0]))
 # ``(out, (q, k, v scales, the o_proj input's scale))``
 observed_attention_linear = observed_variant(
     fp8_attention_linear,

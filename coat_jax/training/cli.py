@@ -81,7 +81,15 @@ DESCRIPTIONS = {
     "scan_layers": "stack the decoder layers and run them with lax.scan (one compiled layer)",
     "remat": "rematerialization policy of the decoder layers (coat_jax.llama.REMAT_POLICIES)",
     # Data.
-    "data_path": "a .txt file, a folder of .txt/.md files or a tar archive of them",
+    "data_path": "text (.txt/.md, tar), .jsonl/.json/.parquet/.arrow, a folder or glob of them "
+    "or a datasets.save_to_disk folder (docs/data.md)",
+    "sources": "a mixture: a list of {path, weight, text_field}, replacing data_path; null: "
+    "data_path alone",
+    "text_field": "the field (column) of records that holds the text; records without it may "
+    "hold a chat's 'messages'",
+    "attention_across_documents": "false: a token attends only to its own document of a packed "
+    "window (on XLA's attention); null: false for data with chats, true otherwise",
+    "document_positions": "positions restart at 0 at each document's first token in a window",
     "tokenizer": "byte (UTF-8 bytes, 258 ids), init_from (its checkpoint's) or a tokenizer path",
     "cache_dir": "where tokenized data is cached (keyed by corpus and tokenizer)",
     "val_fraction": "share of each document's tokens held out for validation",

@@ -22,7 +22,7 @@ import yaml
 from coat_jax import recipes
 from coat_jax.llama import REMAT_POLICIES, LlamaConfig
 from coat_jax.training.config_values import coerce, read_config_file, set_dotted
-from coat_jax.training.data import split_names
+from coat_jax.training.data import DEFAULT_DATA_PATH, DataSource, check_data_keys
 from coat_jax.training.op_kernels import op_kernels_as_mapping, op_kernels_text, parse_op_kernels
 
 # The ``model`` section is a :class:`coat_jax.llama.LlamaConfig` (one source of truth for the
@@ -221,8 +221,12 @@ class TrainConfig:
     fp8_op_kernels: str | None = None
     fused_apply: bool = True
     optimizer_in_backward: bool = False
-    # Data.
-    data_path: str = "data/public_domain_en.tar.xz"
+    # Data (docs/data.md; check_data_keys checks these).
+    data_path: str = DEFAULT_DATA_PATH
+    sources: tuple[DataSource, ...] | None = None
+    text_field: str = "text"
+    attention_across_documents: bool | None = None
+    document_positions: bool = False
     tokenizer: str = "byte"
     cache_dir: str = "~/.cache/coat_jax/tokens"
     val_fraction: float = 0.005
@@ -373,13 +377,7 @@ class TrainConfig:
                 f"{self.fp8_weight_residual} does not; use precision=fp8 or coat with "
                 "fp8_weight_residual=master, or set fp8_linear_scaling=tensor"
             )
-        if not 0.0 < self.val_fraction < 0.5:
-            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        if self.val_documents is not None and not split_names(self.val_documents):
-            raise ValueError(
-                "val_documents must name documents (comma-separated, e.g. "
-                "austen/persuasion.txt) or be null (a val_fraction of every document)"
-            )
+        check_data_keys(self)
         for name in ("data", "fsdp"):
             size = getattr(self.mesh, name)
             if size == 0 or size < -1:
@@ -539,6 +537,15 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
             kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
         elif cls is TrainConfig and name == "fp8_op_kernels" and isinstance(value, Mapping):
             kwargs[name] = op_kernels_text(value)
+        elif (section := _section_of_list(hint)) is not None and value is not None:
+            # A list of sections such as sources: each item is built and checked like a section.
+            if not isinstance(value, list | tuple):
+                raise ValueError(
+                    f"{prefix}{name}={value!r} is not valid; expected a list of mappings"
+                )
+            kwargs[name] = tuple(
+                _build(section, v, f"{prefix}{name}[{i}].") for i, v in enumerate(value)
+            )
         else:
             kwargs[name] = coerce(prefix + name, hint, value)
     try:
@@ -547,3 +554,12 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
         if cls is TrainConfig:
             raise
         raise ValueError(f"{prefix.rstrip('.')}: {e}") from e
+
+
+def _section_of_list(hint):
+    """The dataclass of a ``tuple[Section, ...]`` (optionally ``| None``) field, else None."""
+    for h in (hint, *typing.get_args(hint)):
+        args = typing.get_args(h)
+        if typing.get_origin(h) is tuple and args and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None

@@ -45,6 +45,7 @@ from coat_jax.llama import default_positions
 from coat_jax.optim import apply_gradients_at, fused_in_place
 from coat_jax.training import sharding
 from coat_jax.training.act_telemetry import ActivationTelemetry
+from coat_jax.training.model import split_window
 from coat_jax.training.step import apply_strategy
 from pallas_kernels.stacks import element, put_element
 
@@ -174,15 +175,15 @@ def make_train_step(
                 "optimizer_in_backward updates each layer during the backward pass, so it cannot "
                 f"accumulate {tokens_ABT1.shape[0]} microbatches; set grad_accum: 1"
             )
-        inputs_BT, labels_BT = tokens_ABT1[0, :, :-1], tokens_ABT1[0, :, 1:]
-        positions_BT = default_positions(inputs_BT)
+        inputs_BT, labels_BT, segments_BT, positions_BT = split_window(model_def, tokens_ABT1[0])
+        positions_BT = default_positions(inputs_BT, positions_BT)
         layers, head_params, embed_params = split_params(params)
         bind = lambda h, e, layers=layers: model_def.bind({**h, **e, "layers": layers})
         # The activation telemetry's flag: the layers reduce their scales only where it is true.
         observe = None if activations is None else activations.computes(opt_state.count + 1)
         extra = () if observe is None else (observe,)
         layer, stacked_state = bind(head_params, embed_params).scanned_layer(
-            observed=observe is not None
+            observed=observe is not None, segment_ids_BT=segments_BT
         )
         num_layers = jax.tree.leaves(layers)[0].shape[0]
 

@@ -22,7 +22,7 @@ from coat_jax.generate import sample_text
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
-from coat_jax.training.data import PackedWindows, validation_batches
+from coat_jax.training.data import PackedWindows, loss_tokens, validation_batches
 from coat_jax.training.errors import error_line, exit_code
 from coat_jax.training.metrics import MetricsLog, WandbWriter, plot_loss_curve
 from coat_jax.training.model import COMPUTE_DTYPES
@@ -153,7 +153,7 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
         f"precision={cfg.precision}, "
         f"optimizer={cfg.optimizer}, scan_layers={cfg.scan_layers}, remat={cfg.remat}, "
         f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}, "
-        f"{cfg.tokens_per_step} tokens/step, {run.order.windows.num_windows} training windows"
+        f"{cfg.tokens_per_step} tokens/step, {run.order.num_windows} training windows"
     )
     if distributed.is_main_process():
         wandb = cfg.wandb_project and WandbWriter(
@@ -308,6 +308,7 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             else:
                 outputs = program.step_fn(*args)
             params, opt_state, metrics = outputs
+            metrics = {**metrics, "loss_tokens": loss_tokens(batch)}
             del args, outputs
             step += 1
             position += sequences_per_step

@@ -22,6 +22,7 @@ from coat_jax.llama import Llama, LlamaConfig
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
+from coat_jax.training.data import DOCUMENT_START
 from coat_jax.training.op_kernels import parse_op_kernels
 from coat_jax.training.optimizers import kernel_options
 from pallas_kernels.sharding import KernelMesh
@@ -37,6 +38,19 @@ class ModelDef:
     graphdef: Any
     abstract_state: Any
     loss_chunk_size: int | None = None
+    # Windows mark the tokens that are no loss target (a chat's non-assistant tokens) by their
+    # sign: -(id + 1) (coat_jax.training.data.order.PackedWindows). Static, so that a run on
+    # plain text computes the plain mean.
+    loss_mask: bool = False
+    # Windows flag each document's first token (``DOCUMENT_START`` added to its id): attention
+    # stays within documents (``within_documents``) and positions restart at each
+    # (``document_positions``).
+    within_documents: bool = False
+    document_positions: bool = False
+
+    @property
+    def flags_documents(self) -> bool:
+        return self.within_documents or self.document_positions
 
     def bind(self, params) -> Llama:
         state = jax.tree.map(lambda x: x, self.abstract_state)
@@ -61,14 +75,23 @@ def split_params(model) -> tuple[Any, Any]:
     return graphdef, params
 
 
-def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelDef:
+def model_def_for(
+    llama_cfg: LlamaConfig,
+    cfg: TrainConfig,
+    mesh=None,
+    *,
+    loss_mask: bool = False,
+    within_documents: bool = False,
+) -> ModelDef:
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
     ``cfg.fp8_kernels`` (unset with ``kernels: auto``: by the model's width and the tokens per
     device, ``optimizers.fp8_ops_auto``; else as ``cfg.kernels``) picks where the FP8 ops run;
     with ``mesh`` (a program on several devices) their Pallas kernels, where chosen, run on
     each shard (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes,
-    weights as the trainer's FSDP rule places them.
+    weights as the trainer's FSDP rule places them. ``loss_mask``: the windows mark tokens that
+    are no loss target; ``within_documents``: attention stays within the documents of a
+    window, on XLA's attention, which alone takes that mask (:class:`ModelDef`).
     """
     abstract = nnx.eval_shape(lambda: new_model(llama_cfg, cfg, jax.random.key(0)))
     placement = {}
@@ -83,7 +106,7 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         swiglu=cfg.fp8_swiglu,
         attention_backward=cfg.fp8_attention_backward,
         linear_scaling=cfg.fp8_linear_scaling,
-        attention="xla" if cfg.deterministic else "auto",
+        attention="xla" if cfg.deterministic or within_documents else "auto",
         op_implementations=parse_op_kernels(cfg.fp8_op_kernels),
         **kernel_options(
             cfg,
@@ -94,7 +117,15 @@ def model_def_for(llama_cfg: LlamaConfig, cfg: TrainConfig, mesh=None) -> ModelD
         **placement,
     )
     graphdef, state = split_params(abstract)
-    return ModelDef(llama_cfg, graphdef, state, cfg.loss_chunk_size)
+    return ModelDef(
+        llama_cfg,
+        graphdef,
+        state,
+        cfg.loss_chunk_size,
+        loss_mask,
+        within_documents,
+        cfg.document_positions,
+    )
 
 
 MASTER_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -169,28 +200,65 @@ def next_token_loss(model_def: ModelDef, params, tokens_BT1) -> jax.Array:
     With ``loss_chunk_size`` set the logits are never materialised whole
     (:func:`coat_jax.losses.cross_entropy_from_hidden`); otherwise the plain optax loss.
     """
-    inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    inputs_BT, labels_BT, segments_BT, positions_BT = split_window(model_def, tokens_BT1)
     model = model_def.bind(params)
-    return loss_from_hidden(model_def, model, model.hidden_states(inputs_BT), labels_BT)
+    hidden_BTD = model.hidden_states(inputs_BT, positions_BT, segments_BT)
+    return loss_from_hidden(model_def, model, hidden_BTD, labels_BT)
 
 
 def observed_next_token_loss(model_def: ModelDef, params, tokens_BT1, observe) -> tuple:
     """``(next_token_loss, scales)``: the same loss, bit for bit, and the scales the FP8 ops
     quantized activations with (``Llama.observed_hidden_states``; ``observe`` says whether
     their per-group reductions are computed)."""
-    inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    inputs_BT, labels_BT, segments_BT, positions_BT = split_window(model_def, tokens_BT1)
     model = model_def.bind(params)
-    hidden_BTD, scales = model.observed_hidden_states(inputs_BT, observe)
+    hidden_BTD, scales = model.observed_hidden_states(inputs_BT, observe, positions_BT, segments_BT)
     return loss_from_hidden(model_def, model, hidden_BTD, labels_BT), scales
 
 
+def split_window(model_def: ModelDef, tokens_BT1) -> tuple:
+    """``(inputs_BT, labels_BT, segment_ids_BT, positions_BT)`` of windows of ``T + 1`` tokens:
+    the inputs as token ids, the labels as the window holds them (:func:`loss_from_hidden`
+    reads them), the inputs' documents (numbered from 0 in each row; None unless
+    ``within_documents``) and positions (0 at each document's first token and at the window's;
+    None, the default 0..T-1, unless ``document_positions``)."""
+    inputs_BT, labels_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    if model_def.loss_mask:
+        inputs_BT = jnp.where(inputs_BT < 0, -inputs_BT - 1, inputs_BT)
+    if not model_def.flags_documents:
+        return inputs_BT, labels_BT, None, None
+    starts_BT = inputs_BT >= DOCUMENT_START
+    inputs_BT = jnp.where(starts_BT, inputs_BT - DOCUMENT_START, inputs_BT)
+    segments_BT = jnp.cumsum(starts_BT, axis=1) if model_def.within_documents else None
+    positions_BT = None
+    if model_def.document_positions:
+        index_BT = jnp.broadcast_to(jnp.arange(inputs_BT.shape[1]), inputs_BT.shape)
+        last_start_BT = jax.lax.cummax(jnp.where(starts_BT, index_BT, 0), axis=1)
+        positions_BT = index_BT - last_start_BT
+    return inputs_BT, labels_BT, segments_BT, positions_BT
+
+
 def loss_from_hidden(model_def: ModelDef, model: Llama, hidden_BTD, labels_BT) -> jax.Array:
-    """Mean cross-entropy of the final hidden states against ``labels`` (the model's head)."""
+    """Mean cross-entropy of the final hidden states against ``labels`` (the model's head);
+    with ``loss_mask`` the mean over the labels that are targets (non-negative) alone."""
+    mask_BT = None
+    if model_def.loss_mask:
+        mask_BT = labels_BT >= 0
+        labels_BT = jnp.where(mask_BT, labels_BT, -labels_BT - 1)
+    if model_def.flags_documents:
+        labels_BT = jnp.where(labels_BT >= DOCUMENT_START, labels_BT - DOCUMENT_START, labels_BT)
     if model_def.loss_chunk_size is None:
         logits_BTV = model.logits(hidden_BTD)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT).mean()
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT)
+        if mask_BT is None:
+            return ce_BT.mean()
+        return (ce_BT * mask_BT).sum() / mask_BT.sum()
     return cross_entropy_from_hidden(
-        hidden_BTD, model.output_weight(cast=False), labels_BT, chunk_size=model_def.loss_chunk_size
+        hidden_BTD,
+        model.output_weight(cast=False),
+        labels_BT,
+        mask_BT=mask_BT,
+        chunk_size=model_def.loss_chunk_size,
     )
 
 

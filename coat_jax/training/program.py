@@ -135,14 +135,26 @@ def compiler_options(cfg: TrainConfig) -> dict | None:
     return options or None
 
 
-def build_program(cfg: TrainConfig, llama_cfg: LlamaConfig, mesh=None) -> TrainProgram:
-    """The model, optimizer, shardings and the jitted train and evaluation steps of ``cfg``."""
+def build_program(
+    cfg: TrainConfig,
+    llama_cfg: LlamaConfig,
+    mesh=None,
+    *,
+    loss_mask: bool = False,
+    within_documents: bool = False,
+) -> TrainProgram:
+    """The model, optimizer, shardings and the jitted train and evaluation steps of ``cfg``;
+    ``loss_mask``: the batches mark tokens that are no loss target (chat data);
+    ``within_documents``: attention stays within each batch's documents
+    (``coat_jax.training.model.ModelDef``)."""
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp) if mesh is None else mesh
     sharding.check_batch_divisible(cfg.batch_size, mesh)
     # Several devices: the kernels run per shard on the mesh (even a mesh of one device, which
     # places the program on one of several); one device in the process: no mesh.
     kernel_mesh = mesh if jax.device_count() > 1 else None
-    model_def = model_def_for(llama_cfg, cfg, kernel_mesh)
+    model_def = model_def_for(
+        llama_cfg, cfg, kernel_mesh, loss_mask=loss_mask, within_documents=within_documents
+    )
     schedule = make_schedule(cfg)
     tx = make_optimizer(cfg, schedule, mesh=kernel_mesh)
     abstract_params = model_def.abstract_params

@@ -194,6 +194,13 @@ def _log_record(pending, step, schedule, tokens_since, elapsed) -> dict:
         "step": step,
         "loss": float(np.mean([v["loss"] for v in values])),
         "grad_norm": float(values[-1]["grad_norm"]),
+        # The target tokens of the steps behind ``loss``: every label of plain text, the
+        # assistant's tokens of a chat.
+        **(
+            {"loss_tokens": sum(v["loss_tokens"] for v in values)}
+            if "loss_tokens" in values[0]
+            else {}
+        ),
         "learning_rate": host_schedule_value(schedule, step - 1),
         "tokens_per_sec": tokens_since / elapsed if tokens_since else None,
         "host_peak_rss_bytes": host_peak_rss_bytes(),

@@ -26,7 +26,16 @@ from coat_jax.runs import resolve_init_from
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointError
 from coat_jax.training.config import TrainConfig
-from coat_jax.training.data import PackedWindows, TrainOrder, make_tokenizer, tokenize_to_cache
+from coat_jax.training.data import (
+    InterleavedWindows,
+    MixtureOrder,
+    PackedWindows,
+    TrainOrder,
+    data_sources,
+    make_tokenizer,
+    tokenize_to_cache,
+    within_documents,
+)
 from coat_jax.training.model import (
     COMPUTE_DTYPES,
     MASTER_DTYPES,
@@ -47,8 +56,8 @@ class RunState:
     program: TrainProgram
     checkpointer: Checkpointer
     tokenizer: Any
-    order: TrainOrder
-    val_windows: PackedWindows
+    order: TrainOrder | MixtureOrder
+    val_windows: PackedWindows | InterleavedWindows
     params: Any
     opt_state: Any
     step: int
@@ -74,6 +83,58 @@ def _run_fingerprint(cfg: TrainConfig, tokenizer) -> dict:
     }
 
 
+def _data(cfg: TrainConfig, tokenizer, say):
+    """The training order and the validation windows of the run's source or mixture; whether
+    any source holds chats (whose windows mark tokens that are no loss target); and whether
+    attention stays within documents (``attention_across_documents``)."""
+    sources = data_sources(cfg)
+
+    def tokenized(source):
+        tokens = tokenize_to_cache(
+            source.path,
+            tokenizer,
+            cfg.cache_dir,
+            cfg.val_fraction,
+            cfg.val_documents,
+            source.text_field or cfg.text_field,
+            progress=cfg.progress_bar and distributed.is_main_process(),
+        )
+        if tokens.tokenized_s is not None:
+            say(
+                f"tokenized {source.path} in {tokens.tokenized_s:.1f} s: {len(tokens.train):,} "
+                f"training and {len(tokens.val):,} validation tokens, cached in "
+                f"{tokens.directory}"
+            )
+        return tokens
+
+    # The main process tokenizes while the others wait, then they find the caches it wrote (in
+    # a cache_dir they share; on a host of its own a process tokenizes for itself). A source
+    # the main process fails on fails the same way in the others.
+    if distributed.is_main_process():
+        try:
+            caches = [tokenized(source) for source in sources]
+        finally:
+            distributed.sync("coat_jax tokenized")
+    else:
+        distributed.sync("coat_jax tokenized")
+        caches = [tokenized(source) for source in sources]
+    chat = any(tokens.chat for tokens in caches)
+    within = within_documents(cfg, chat)
+    flag = within or cfg.document_positions
+    train, val = [], []
+    for source, t in zip(sources, caches, strict=True):
+        where = f"split of {source.path}"
+        train_docs, val_docs = (t.train_docs, t.val_docs) if flag else (None, None)
+        train.append(
+            PackedWindows(t.train, cfg.seq_len, f"train {where}", t.train_loss, train_docs)
+        )
+        val.append(PackedWindows(t.val, cfg.seq_len, f"validation {where}", t.val_loss, val_docs))
+    if len(sources) == 1:
+        return TrainOrder(train[0], cfg.seed), val[0], chat, within
+    order = MixtureOrder(train, [s.weight for s in sources], cfg.seed)
+    return order, InterleavedWindows(val), chat, within
+
+
 def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> RunState:
     """Data, model, optimizer and the starting state: restored (``resume``) or initialised."""
     if not cfg.resume:
@@ -86,16 +147,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
     tokenizer = make_tokenizer(
         cfg.tokenizer, resolve_init_from(cfg.init_from) if cfg.init_from else None
     )
-    tokens = tokenize_to_cache(
-        cfg.data_path, tokenizer, cfg.cache_dir, cfg.val_fraction, cfg.val_documents
-    )
-    if tokens.tokenized_s is not None:
-        say(
-            f"tokenized {cfg.data_path} in {tokens.tokenized_s:.1f} s: {len(tokens.train):,} "
-            f"training and {len(tokens.val):,} validation tokens, cached in {tokens.directory}"
-        )
-    order = TrainOrder(PackedWindows(tokens.train, cfg.seq_len, "train"), cfg.seed)
-    val_windows = PackedWindows(tokens.val, cfg.seq_len, "validation")
+    order, val_windows, chat, within = _data(cfg, tokenizer, say)
 
     meta, pretrained = None, None
     if cfg.resume:
@@ -153,6 +205,8 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
         cfg if schedule_steps == cfg.steps else dataclasses.replace(cfg, steps=schedule_steps),
         llama_cfg,
         mesh,
+        loss_mask=chat,
+        within_documents=within,
     )
 
     skipped = 0

@@ -58,7 +58,7 @@ def test_encode_many_equals_encode_per_document(monkeypatch):
 
     tok = Tokenizer(byte_tokenizer_hf(), "byte-hf")
     texts = [f"doc {i}: " + "héllo wörld " * (i + 1) for i in range(5)]
-    monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(data.tokenizer.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     # Batches of at most two documents, and of at most 60 characters (the longer ones alone).
     for batch_chars in (1 << 26, 60):
         many = list(tok.encode_many(texts, batch_chars=batch_chars))
