@@ -119,6 +119,11 @@ class RMSNorm(nnx.Module):
     def __call__(self, x, ops):
         return ops.rmsnorm(x, self.weight[...], self.eps)
 
+    def project(self, x, w, ops):
+        """``ops.linear(self(x, ops), w)``, as one op where the op set fuses the two (the
+        row-wise FP8 linear's producer writes its operand: ``OpSet.norm_linear``)."""
+        return ops.rmsnorm_then_linear(x, self.weight[...], self.eps, w)
+
 
 # The linear weights of a decoder layer by sub-module: what ``FP8Config(weight_residual="once")``
 # quantizes once per step, before the layers run (``Llama.weight_codes``).
@@ -150,14 +155,16 @@ class Attention(nnx.Module):
         self.o_proj = normal_param(rngs, (n * hd, d), param_dtype, std)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, hd
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
-        """The attention block's output [B, T, D]; with a :class:`KVCache` ``cache``, ``(out,
-        cache)``: the new tokens' keys and values written into it at ``cache.start``, and
-        attention over the cache under ``cache.mask`` (decoding)."""
+    def __call__(self, x_BTD, norm, positions_BT, inv_freq, ops, codes=None, cache=None):
+        """The attention block's output [B, T, D] for the residual stream ``x_BTD`` and the
+        :class:`RMSNorm` ``norm`` in front of the block; with a :class:`KVCache` ``cache``,
+        ``(out, cache)``: the new tokens' keys and values written into it at ``cache.start``,
+        and attention over the cache under ``cache.mask`` (decoding)."""
         n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
         # One linear call for q, k and v: the shared input is quantized and saved once, and the
         # weights stay separate (no concatenated copy lives until backward).
-        q, kk, v = ops.linear(x_BTD, _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes))
+        qkv = _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes)
+        q, kk, v = norm.project(x_BTD, qkv, ops)
         b, t = x_BTD.shape[:2]
         q_BTNH = apply_rope(q.reshape(b, t, n, hd), positions_BT, inv_freq)
         k_BTKH = apply_rope(kk.reshape(b, t, k, hd), positions_BT, inv_freq)
@@ -179,10 +186,13 @@ class MLP(nnx.Module):
         self.up_proj = normal_param(rngs, (d, f), param_dtype, 0.02)
         self.down_proj = normal_param(rngs, (f, d), param_dtype, 0.02)
 
-    def __call__(self, x_BTD, ops, codes=None):
-        gate_BTF, up_BTF = ops.linear(x_BTD, _linear_weights(self, ("gate_proj", "up_proj"), codes))
+    def __call__(self, x_BTD, norm, ops, codes=None):
+        """The MLP block's output for the residual stream ``x_BTD`` and the :class:`RMSNorm`
+        ``norm`` in front of the block."""
+        gate_up = _linear_weights(self, ("gate_proj", "up_proj"), codes)
+        gate_BTF, up_BTF = norm.project(x_BTD, gate_up, ops)
         down = _linear_weights(self, ("down_proj",), codes)
-        return ops.linear(ops.silu_mul(gate_BTF, up_BTF), down)
+        return ops.silu_mul_then_linear(gate_BTF, up_BTF, down)
 
 
 class DecoderLayer(nnx.Module):
@@ -200,7 +210,8 @@ class DecoderLayer(nnx.Module):
         cache with the new tokens' keys and values."""
         codes = codes or {}
         h = self.self_attn(
-            self.input_layernorm(x_BTD, ops),
+            x_BTD,
+            self.input_layernorm,
             positions_BT,
             inv_freq,
             ops,
@@ -210,6 +221,6 @@ class DecoderLayer(nnx.Module):
         if cache is not None:
             h, cache = h
         x_BTD = ops.add(x_BTD, h)
-        mlp = self.mlp(self.post_attention_layernorm(x_BTD, ops), ops, codes.get("mlp"))
+        mlp = self.mlp(x_BTD, self.post_attention_layernorm, ops, codes.get("mlp"))
         x_BTD = ops.add(x_BTD, mlp)
         return x_BTD if cache is None else (x_BTD, cache)
