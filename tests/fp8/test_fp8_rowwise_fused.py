@@ -2,7 +2,7 @@
 then q|k|v (or gate|up), SwiGLU then down, under ``FP8Config(linear_scaling="row")``.
 
 With the XLA reference the fused op is the two ops it replaces, forward and backward, bit for
-bit (the same codes feed the same GEMMs). With the Pallas kernels (interpret mode on the CPU) the
+bit on float32 activations (the same codes feed the same GEMMs). With the Pallas kernels (interpret mode on the CPU) the
 row codes may differ by one BF16 rounding of the producer's output (tests/kernels/
 test_pallas_rowquant.py), so results agree to FP8 precision: relative Frobenius error below
 2^-4 (measured: forward 0.03, gradients 0.03 to 0.05), and against float32 autodiff as the
@@ -64,7 +64,7 @@ def _norm_loss(fused, config):
             ys = fp8_rowwise_linear(fp8_rmsnorm(x, nw, 1e-6, config), ws, config)
         return sum(jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in ys)
 
-    return jax.value_and_grad(loss, (0, 1, 2))
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
 
 def _swiglu_loss(fused, config):
@@ -75,7 +75,7 @@ def _swiglu_loss(fused, config):
             y = fp8_rowwise_linear(fp8_swiglu(g, u, config), w, config)
         return jnp.sum(y.astype(jnp.float32) * COT)
 
-    return jax.value_and_grad(loss, (0, 1, 2))
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
 
 def _f32_grads(f, *args):
@@ -84,9 +84,13 @@ def _f32_grads(f, *args):
 
 @pytest.mark.parametrize("kind", ["rmsnorm", "swiglu"])
 def test_reference_path_is_the_two_ops_bit_for_bit(kind):
-    make, args = (
-        (_norm_loss, (X, NORM_W, WS)) if kind == "rmsnorm" else (_swiglu_loss, (GATE, UP, DOWN))
-    )
+    # float32 activations: with BF16 ones XLA's excess precision may skip the BF16 rounding of
+    # the producer's output in one program and not the other (one E4M3 step on some codes).
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    if kind == "rmsnorm":
+        make, args = _norm_loss, (f32(X), NORM_W, WS)
+    else:
+        make, args = _swiglu_loss, (f32(GATE), f32(UP), DOWN)
     fused, plain = make(True, ROW)(*args), make(False, ROW)(*args)
     for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(a, b)
