@@ -8,6 +8,14 @@ dtype, and every fusion of the program that writes FP8 codes or takes a maximum 
 that writes the producer's output shows as a multi-output fusion with both. The full optimized
 HLO of each scaling goes to ``<out>/hlo_<scaling>.txt.gz``.
 
+Then the row-wise operands' maxima, forward only, for the two producers of a Llama layer
+(RMSNorm into q|k|v at ``[tokens, hidden]``, SwiGLU into the down projection at ``[tokens,
+ffn]``), each as two ops (the producer's output written in BF16, then quantized by the linear)
+and as the fused op (``coat_jax.fp8.rowwise_fused``; on a GPU its Pallas producer): the number
+of fusions that reduce a maximum to one value per token. ``0`` means no separate maximum pass
+over the operand remains (the producer's kernel finished each row's maximum itself); the weight's
+per-channel maxima are not per token and are not counted.
+
     python benchmarks/rowwise_hlo.py --out runs/rowwise            # one GPU
     python benchmarks/rowwise_hlo.py --out /tmp/r --tokens 64 --hidden 32 --ffn 48   # CPU
 """
@@ -47,6 +55,38 @@ def compiled_hlo(scaling: str, tokens: int, hidden: int, ffn: int) -> str:
         jax.value_and_grad(loss, (0, 1, 2)), compiler_options=fp8_ops.fp8_compiler_options()
     )
     return step.lower(h, g, w, c).compile().as_text()
+
+
+def producer_forward_hlo(producer: str, fused: bool, tokens: int, hidden: int, ffn: int) -> str:
+    """The compiled forward of one producer and its row-wise linear, as two ops or fused."""
+    config = fp8_ops.FP8Config(linear_scaling="row", swiglu="fused")
+    ops = fp8_ops.ops_for("coat", config)
+    if not fused:
+        ops = ops._replace(norm_linear=None, swiglu_linear=None)
+    sds = jax.ShapeDtypeStruct
+    if producer == "rmsnorm":
+        args = (sds((tokens, hidden), jnp.bfloat16), sds((hidden,), jnp.float32))
+        args += (sds((hidden, hidden), jnp.float32),)
+        fn = lambda x, g, w: ops.rmsnorm_then_linear(x, g, 1e-6, w)  # noqa: E731
+    else:
+        act = sds((tokens, ffn), jnp.bfloat16)
+        args = (act, act, sds((ffn, hidden), jnp.float32))
+        fn = ops.silu_mul_then_linear
+    step = jax.jit(fn, compiler_options=fp8_ops.fp8_compiler_options())
+    return step.lower(*args).compile().as_text()
+
+
+def per_token_maxima(hlo: str, tokens: int) -> list[str]:
+    """The fusions of ``hlo`` whose ``reduce_max`` leaves one value per token."""
+    bodies = computations(hlo)
+    found = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) fusion\(.*calls=%?([\w.\-]+)", line)
+        if not m or not re.search(r"%reduce_max[\w.\-]* = ", bodies.get(m.group(3), "")):
+            continue
+        if re.search(rf"f32\[{tokens}(,1)?\]", m.group(2)):
+            found.append(m.group(1))
+    return found
 
 
 def computations(hlo: str) -> dict[str, str]:
@@ -103,6 +143,16 @@ def main(argv=None) -> None:
             f.write(hlo)
         print(f"== linear_scaling={scaling} ({jax.devices()[0].device_kind})")
         print("\n".join(summary(hlo)), flush=True)
+    print(f"== row-wise operands, forward: per-token maximum passes ({jax.default_backend()})")
+    for producer in ("rmsnorm", "swiglu"):
+        for fused in (False, True):
+            hlo = producer_forward_hlo(producer, fused, args.tokens, args.hidden, args.ffn)
+            name = f"{producer}_{'fused' if fused else 'two_ops'}"
+            with gzip.open(os.path.join(args.out, f"hlo_fwd_{name}.txt.gz"), "wt") as f:
+                f.write(hlo)
+            maxima = per_token_maxima(hlo, args.tokens)
+            kernels = len(re.findall(r"custom_call_target=\"__gpu\$xla\.gpu\.triton\"", hlo))
+            print(f"  {name}: {len(maxima)} {maxima}, Pallas/Triton calls {kernels}", flush=True)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ from coat_jax.fp8.recording import (
 )
 from coat_jax.fp8.residuals import ACTIVATION, WEIGHT, keep, keep_weight, materialize, pin
 from coat_jax.fp8.rowwise import fp8_rowwise_linear
+from coat_jax.fp8.rowwise_fused import fp8_rmsnorm_rowwise_linear, fp8_swiglu_rowwise_linear
 
 __all__ = [
     # op sets
@@ -168,6 +169,9 @@ __all__ = [
     "attention_implementation",
     "fp8_attention",
     "fp8_attention_linear",
+    "fp8_rowwise_linear",
+    "fp8_rmsnorm_rowwise_linear",
+    "fp8_swiglu_rowwise_linear",
     # plain ops
     "add",
     "linear",
@@ -203,10 +207,28 @@ class OpSet(NamedTuple):
     # ``(q, k, v, o_proj weight) -> linear(attention(q, k, v), w)`` as one op
     # (:func:`fp8_attention_linear`); None: ``attention`` then ``linear``.
     attention_linear: Callable | None = None
+    # ``(x, norm weight, eps, w) -> linear(rmsnorm(x, norm weight, eps), w)`` as one op
+    # (:func:`fp8_rmsnorm_rowwise_linear`); None: ``rmsnorm`` then ``linear``.
+    norm_linear: Callable | None = None
+    # ``(gate, up, w) -> linear(silu(gate) * up, w)`` as one op (:func:`fp8_swiglu_rowwise_linear`);
+    # None: :meth:`silu_mul` then ``linear``.
+    swiglu_linear: Callable | None = None
 
     def silu_mul(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """``silu(gate) * up``: the fused op where the set has one, else the SiLU and product."""
         return self.mul(self.silu(gate), up) if self.swiglu is None else self.swiglu(gate, up)
+
+    def rmsnorm_then_linear(self, x: jax.Array, norm_weight: jax.Array, eps: float, w):
+        """``linear(rmsnorm(x, norm_weight, eps), w)``: one op where the set has one."""
+        if self.norm_linear is None:
+            return self.linear(self.rmsnorm(x, norm_weight, eps), w)
+        return self.norm_linear(x, norm_weight, eps, w)
+
+    def silu_mul_then_linear(self, gate: jax.Array, up: jax.Array, w):
+        """``linear(silu(gate) * up, w)``: one op where the set has one."""
+        if self.swiglu_linear is None:
+            return self.linear(self.silu_mul(gate, up), w)
+        return self.swiglu_linear(gate, up, w)
 
 
 def ops_for(
@@ -251,6 +273,8 @@ def ops_for(
         mul=_bound(fp8_mul, config),
         add=fp8_add,
         swiglu=_bound(fp8_swiglu, config) if fused else None,
+        norm_linear=_bound_norm_linear(config) if rowwise else None,
+        swiglu_linear=_bound(fp8_swiglu_rowwise_linear, config) if rowwise and fused else None,
     )
 
 
@@ -340,3 +364,12 @@ def _bound_rmsnorm(config: FP8Config):
         return fp8_rmsnorm(x, weight, float(eps), config)
 
     return functools.update_wrapper(rmsnorm, fp8_rmsnorm)
+
+
+def _bound_norm_linear(config: FP8Config):
+    """:func:`fp8_rmsnorm_rowwise_linear` with ``config`` bound (``eps`` a Python float)."""
+
+    def norm_linear(x, weight, eps, w):
+        return fp8_rmsnorm_rowwise_linear(x, weight, w, float(eps), config)
+
+    return functools.update_wrapper(norm_linear, fp8_rmsnorm_rowwise_linear)

@@ -140,6 +140,11 @@ class RMSNorm(nnx.Module):
     def __call__(self, x, ops):
         return ops.rmsnorm(x, self.weight[...], self.eps)
 
+    def project(self, x, w, ops):
+        """``ops.linear(self(x, ops), w)``, as one op where the op set fuses the two (the
+        row-wise FP8 linear's producer writes its operand: ``OpSet.norm_linear``)."""
+        return ops.rmsnorm_then_linear(x, self.weight[...], self.eps, w)
+
 
 # The linear weights of a decoder layer by sub-module: what ``FP8Config(weight_residual="once")``
 # quantizes once per step, before the layers run (``Llama.weight_codes``).
@@ -202,13 +207,15 @@ class Attention(nnx.Module):
             )
         return self.sliding_window
 
-    def _projections(self, x_BTD, ops, codes):
-        """q, k, v as ``[B, T, heads, head_dim]`` before RoPE: the one linear call, then the
-        family's biases (beside the linear: their backward keeps nothing) and q/k norms."""
+    def _projections(self, x_BTD, norm, ops, codes):
+        """q, k, v as ``[B, T, heads, head_dim]`` before RoPE: the one linear call (with the norm
+        in front of it, as one op where the op set fuses the two), then the family's biases
+        (beside the linear: their backward keeps nothing) and q/k norms."""
         n, k, hd = self.num_heads, self.num_kv_heads, self.head_dim
         # One linear call for q, k and v: the shared input is quantized and saved once, and the
         # weights stay separate (no concatenated copy lives until backward).
-        q, kk, v = ops.linear(x_BTD, _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes))
+        qkv = _linear_weights(self, ("q_proj", "k_proj", "v_proj"), codes)
+        q, kk, v = ops.linear(x_BTD, qkv) if norm is None else norm.project(x_BTD, qkv, ops)
         if self.qkv_bias:
             q, kk, v = (
                 y + b[...].astype(y.dtype)
@@ -222,12 +229,13 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH = self.q_norm(q_BTNH, ops), self.k_norm(k_BTKH, ops)
         return q_BTNH, k_BTKH, v.reshape(b, t, k, hd)
 
-    def __call__(self, x_BTD, positions_BT, inv_freq, ops, codes=None, cache=None):
-        """The attention block's output [B, T, D]; with a :class:`KVCache` ``cache``, ``(out,
-        cache)``: the new tokens' keys and values written into it at ``cache.start``, and
-        attention over the cache under ``cache.mask`` (decoding)."""
+    def __call__(self, x_BTD, norm, positions_BT, inv_freq, ops, codes=None, cache=None):
+        """The attention block's output [B, T, D] for ``x_BTD`` and the :class:`RMSNorm` ``norm``
+        in front of the block (``None`` for the families whose norms follow it); with a
+        :class:`KVCache` ``cache``, ``(out, cache)``: the new tokens' keys and values written into
+        it at ``cache.start``, and attention over the cache under ``cache.mask`` (decoding)."""
         n, hd = self.num_heads, self.head_dim
-        q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD, ops, codes)
+        q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD, norm, ops, codes)
         b, t = x_BTD.shape[:2]
         window = self._window(t if cache is None else cache.k.shape[1], ops, cache)
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
@@ -252,10 +260,16 @@ class MLP(nnx.Module):
         self.up_proj = normal_param(rngs, (d, f), param_dtype, 0.02)
         self.down_proj = normal_param(rngs, (f, d), param_dtype, 0.02)
 
-    def __call__(self, x_BTD, ops, codes=None):
-        gate_BTF, up_BTF = ops.linear(x_BTD, _linear_weights(self, ("gate_proj", "up_proj"), codes))
+    def __call__(self, x_BTD, norm, ops, codes=None):
+        """The MLP block's output for ``x_BTD`` and the :class:`RMSNorm` ``norm`` in front of the
+        block (``None`` for the families whose norms follow it)."""
+        gate_up = _linear_weights(self, ("gate_proj", "up_proj"), codes)
+        if norm is None:
+            gate_BTF, up_BTF = ops.linear(x_BTD, gate_up)
+        else:
+            gate_BTF, up_BTF = norm.project(x_BTD, gate_up, ops)
         down = _linear_weights(self, ("down_proj",), codes)
-        return ops.linear(ops.silu_mul(gate_BTF, up_BTF), down)
+        return ops.silu_mul_then_linear(gate_BTF, up_BTF, down)
 
 
 class DecoderLayer(nnx.Module):
@@ -279,15 +293,24 @@ class DecoderLayer(nnx.Module):
         :class:`KVCache` ``cache`` (decoding), ``(x_BTD, cache)``: the layer's output and its
         cache with the new tokens' keys and values."""
         codes = codes or {}
-        attn_in = x_BTD if self.post_norms else self.input_layernorm(x_BTD, ops)
-        h = self.self_attn(attn_in, positions_BT, inv_freq, ops, codes.get("self_attn"), cache)
+        pre_norm = not self.post_norms
+        h = self.self_attn(
+            x_BTD,
+            self.input_layernorm if pre_norm else None,
+            positions_BT,
+            inv_freq,
+            ops,
+            codes.get("self_attn"),
+            cache,
+        )
         if cache is not None:
             h, cache = h
         if self.post_norms:
             h = self.post_attention_layernorm(h, ops)
         x_BTD = ops.add(x_BTD, h)
-        mlp_in = x_BTD if self.post_norms else self.post_attention_layernorm(x_BTD, ops)
-        mlp = self.mlp(mlp_in, ops, codes.get("mlp"))
+        mlp = self.mlp(
+            x_BTD, self.post_attention_layernorm if pre_norm else None, ops, codes.get("mlp")
+        )
         if self.post_norms:
             mlp = self.post_feedforward_layernorm(mlp, ops)
         x_BTD = ops.add(x_BTD, mlp)

@@ -32,7 +32,16 @@ SWIGLU_OPS = ("coat", "fused")
 # and per output channel (``coat_jax.fp8.rowwise``), differing in the weight gradient's GEMM.
 LINEAR_SCALINGS = ("tensor", "row", "row_gw_hp")
 # The ops whose kernels ``FP8Config.op_implementations`` picks one by one.
-KERNEL_OPS = ("quantize_per_tensor", "quantize_per_group", "rmsnorm", "silu", "mul", "swiglu")
+KERNEL_OPS = (
+    "quantize_per_tensor",
+    "quantize_per_group",
+    "rmsnorm",
+    "silu",
+    "mul",
+    "swiglu",
+    "rmsnorm_rowwise",
+    "swiglu_rowwise",
+)
 
 
 def check_op_implementations(pairs) -> tuple[tuple[str, str], ...]:
@@ -73,8 +82,10 @@ class FP8Config:
         ...)`` with ``op`` one of :data:`KERNEL_OPS` (``"quantize_per_tensor"``: the linear
         layers' per-tensor quantizer; ``"quantize_per_group"``: FP8 attention's 1xG q, k, v;
         ``"rmsnorm"``, ``"silu"``, ``"mul"``, ``"swiglu"``: the fused non-linear ops, forward
-        and backward). Lets a program run XLA's fusions where they are faster and a Pallas
-        kernel where it is (docs/bench_fp8_kernels.md).
+        and backward; ``"rmsnorm_rowwise"``, ``"swiglu_rowwise"``: the producers that write a
+        row-wise linear's operand, ``coat_jax.fp8.rowwise_fused``, forward). Lets a program run
+        XLA's fusions where they are faster and a Pallas kernel where it is
+        (docs/bench_fp8_kernels.md, docs/bench_fp8_rowwise.md).
       interpret: run Pallas kernels in interpret mode (CPU tests; "auto" then tries them too).
       tiles: tile sizes of the Pallas kernels.
       mesh: the :class:`~pallas_kernels.sharding.KernelMesh` of a multi-device program (its
@@ -155,7 +166,10 @@ class FP8Config:
         per token of the input and one per output channel of the weight, backward GEMMs scaled
         along their contraction axes; ``"row_gw_hp"``: the same with the weight gradient in the
         compute dtype (:func:`coat_jax.fp8.rowwise.fp8_rowwise_linear`). The row-wise ones take
-        ``weight_residual="master"`` and ``attention_backward="recompute"`` only.
+        ``weight_residual="master"`` and ``attention_backward="recompute"`` only. In the
+        ``coat`` op set they also run each RMSNorm with the linear it feeds, and (with
+        ``swiglu="fused"``) the SwiGLU with the down projection, as one op whose producer writes
+        the row codes (:mod:`coat_jax.fp8.rowwise_fused`).
     """
 
     act_format: str = "e4m3"

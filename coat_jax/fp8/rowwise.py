@@ -33,9 +33,11 @@ each scale again factors out of its sum:
   accumulation), as torchao's ``ROWWISE_WITH_GW_HP`` recipe: the weight gradient, which sums
   over every token, avoids the second quantization of ``x`` and the E5M2 ``dy``.
 
-The quantizers are jnp, left for XLA to fuse (no Pallas kernel: the point of row-wise scales is
-that their reduction fits in the producing fusion). FP8 codes pass an optimization barrier
-unless ``config.codes_barrier`` is off, as the per-tensor linear's XLA quantizer does
+The quantizers here are jnp, left for XLA to fuse. Where the input's producer is one of the
+model's FP8 ops (RMSNorm, SwiGLU), :mod:`coat_jax.fp8.rowwise_fused` runs producer and linear as
+one op whose producer writes the row codes itself (``pallas_kernels.fp8_rowquant``), through
+:func:`rowwise_gemms` and :func:`rowwise_grads`. FP8 codes made by XLA pass an optimization
+barrier unless ``config.codes_barrier`` is off, as the per-tensor linear's XLA quantizer does
 (``coat_jax.fp8_ops.materialize`` says why).
 """
 
@@ -102,7 +104,9 @@ def _as_weights(w) -> tuple:
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
-def _check(x, w, config):
+def check_linear(x, w, config):
+    """Errors for what :func:`fp8_rowwise_linear` does not take (a ``'tensor'`` config, a
+    weight that is not a 2-D master weight of ``x``'s last axis)."""
     if config.linear_scaling == "tensor":
         raise ValueError(
             "fp8_rowwise_linear runs linear_scaling='row' or 'row_gw_hp'; for 'tensor' call "
@@ -149,29 +153,45 @@ def fp8_rowwise_linear(x: jax.Array, w, config):
     return _fp8_rowwise_linear_fwd(x, w, config)[0]
 
 
-def _fp8_rowwise_linear_fwd(x, w, config):
-    _check(x, w, config)
+def rows_of(x: jax.Array, config) -> quant.QuantizedTensor:
+    """``x [..., K]`` quantized per row in ``config.act_format``: the operand
+    :func:`rowwise_gemms` takes (one group of ``K`` per row, ``scale [..., 1]``)."""
     k = x.shape[-1]
     # The 2-D view feeds the GEMM straight from the codes' producer (no reshape in between).
-    x_codes, x_scale = quantize_along(x.reshape(-1, k), 1, config.act_format, config)
-    ys = []
-    for wi in _as_weights(w):
-        w_codes, w_scale = quantize_along(wi, 0, config.act_format, config)
-        y = _dot(x_codes, w_codes, ((1,), (0,)), x_scale * w_scale, config, x.dtype, x.dtype)
-        ys.append(y.reshape(*x.shape[:-1], wi.shape[1]))
-    kept = quant.QuantizedTensor(
-        x_codes.reshape(x.shape),
-        x_scale.reshape(*x.shape[:-1], 1),
+    codes, scale = quantize_along(x.reshape(-1, k), 1, config.act_format, config)
+    return quant.QuantizedTensor(
+        codes.reshape(x.shape),
+        scale.reshape(*x.shape[:-1], 1),
         fmt=config.act_format,
         granularity="group",
         group_size=k,
     )
-    out = tuple(ys) if isinstance(w, (tuple, list)) else ys[0]
-    return out, (quant.named(kept, ACTIVATION), w)
 
 
-def _fp8_rowwise_linear_bwd(config, res, dy):
-    x_q, w = res
+def rowwise_gemms(x_q: quant.QuantizedTensor, w, config, out_dtype):
+    """The forward GEMMs of :func:`fp8_rowwise_linear` from an input already quantized per row
+    (:func:`rows_of`, or a producer that writes row codes itself, ``pallas_kernels.
+    fp8_rowquant``): ``x @ w`` in ``out_dtype`` (a tuple for a tuple ``w``)."""
+    k = x_q.shape[-1]
+    x_codes, x_scale = x_q.codes.reshape(-1, k), x_q.scale.reshape(-1, 1)
+    ys = []
+    for wi in _as_weights(w):
+        w_codes, w_scale = quantize_along(wi, 0, config.act_format, config)
+        y = _dot(x_codes, w_codes, ((1,), (0,)), x_scale * w_scale, config, out_dtype, out_dtype)
+        ys.append(y.reshape(*x_q.shape[:-1], wi.shape[1]))
+    return tuple(ys) if isinstance(w, (tuple, list)) else ys[0]
+
+
+def _fp8_rowwise_linear_fwd(x, w, config):
+    check_linear(x, w, config)
+    x_q = rows_of(x, config)
+    return rowwise_gemms(x_q, w, config, x.dtype), (quant.named(x_q, ACTIVATION), w)
+
+
+def rowwise_grads(x_q: quant.QuantizedTensor, w, dy, config):
+    """:func:`fp8_rowwise_linear`'s backward from its row-quantized input ``x_q``, the master
+    weight(s) ``w`` and the output gradient(s) ``dy``: ``(dx, dw)``, ``dx`` in ``dy``'s dtype,
+    ``dw`` like ``w``."""
     weights, dys = _as_weights(w), _as_weights(dy)
     compute = dys[0].dtype
     k = x_q.shape[-1]
@@ -203,6 +223,10 @@ def _fp8_rowwise_linear_bwd(config, res, dy):
         dws.append(dw.astype(wi.dtype))
     dx = dx.astype(compute).reshape(*dys[0].shape[:-1], k)
     return dx, (type(w)(dws) if isinstance(w, (tuple, list)) else dws[0])
+
+
+def _fp8_rowwise_linear_bwd(config, res, dy):
+    return rowwise_grads(*res, dy, config)
 
 
 fp8_rowwise_linear.defvjp(_fp8_rowwise_linear_fwd, _fp8_rowwise_linear_bwd)

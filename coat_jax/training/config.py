@@ -134,7 +134,8 @@ class TrainConfig:
       command line sets one op and keeps the others, whichever form the file used) with ops
       ``quantize_per_tensor`` (the linear layers' per-tensor quantizer),
       ``quantize_per_group`` (FP8 attention's q, k, v), ``rmsnorm``,
-      ``silu``, ``mul``, ``swiglu`` and implementations ``auto``, ``xla``, ``pallas``
+      ``silu``, ``mul``, ``swiglu``, ``rmsnorm_rowwise``, ``swiglu_rowwise`` (the producers
+      that write a row-wise linear's operand) and implementations ``auto``, ``xla``, ``pallas``
       (``FP8Config.op_implementations``; docs/bench_fp8_kernels.md has the measurements).
     - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
       writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
