@@ -4,7 +4,7 @@ then q|k|v (or gate|up), SwiGLU then down, under ``FP8Config(linear_scaling="row
 With the XLA reference the fused op is the two ops it replaces, forward and backward, bit for
 bit on float32 activations (the same codes feed the same GEMMs). With the Pallas kernels (interpret mode on the CPU) the
 row codes may differ by one BF16 rounding of the producer's output (tests/kernels/
-test_pallas_rowquant.py), so results agree to FP8 precision: relative Frobenius error below
+test_fp8_rowquant.py), so results agree to FP8 precision: relative Frobenius error below
 2^-4 (measured: forward 0.03, gradients 0.03 to 0.05), and against float32 autodiff as the
 plain row-wise linear does (tests/fp8/test_fp8_rowwise.py: below 0.15).
 """

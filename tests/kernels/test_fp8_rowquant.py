@@ -1,7 +1,7 @@
 """Row-quantizing producers (``pallas_kernels.fp8_rowquant``): Pallas kernels against their jnp
-references, in interpret mode on the CPU and compiled on a GPU.
+references, the contract runs on each backend of tests/kernels/contract.py.
 
-The saved 1xG tensors and RMSNorm's ``rstd`` match as in tests/kernels/test_pallas_act.py. The
+The saved 1xG tensors and RMSNorm's ``rstd`` match as in tests/kernels/test_fp8_act.py. The
 row-quantized output is compared through its scale and its dequantized values: the BF16
 intermediate the row is quantized from may be rounded differently by the kernel and by XLA
 (which may keep excess precision), one BF16 rounding, so a row's scale may differ by that
@@ -19,8 +19,8 @@ import pytest
 
 from pallas_kernels import fp8_rowquant
 from pallas_kernels.fp8_quant import TileConfig
+from tests.kernels.contract import Backend, CompiledGPU, Interpret
 
-INTERPRET = jax.default_backend() != "gpu"
 # Several chunks per row: 2 of 2 groups (4 rows a program); 3 of 2 groups (an odd number of
 # rows, one a program).
 CASES = [((4, 6, 64), TileConfig(norm_block_rows=4, block_groups=2)), ((5, 96), TileConfig())]
@@ -51,27 +51,39 @@ def assert_saved_equal(got, want):
         )
 
 
-@pytest.mark.parametrize(("shape", "tiles"), CASES)
-def test_rmsnorm_rowwise_matches_reference(shape, tiles):
-    x, w = data(shape), 1.0 + 0.1 * jax.random.normal(jax.random.key(3), shape[-1:])
-    kernel = functools.partial(
-        fp8_rowquant.rmsnorm_rowwise_pallas, tiles=tiles, interpret=INTERPRET
-    )
-    y_q, x_q, rstd = jax.jit(kernel, static_argnums=2)(x, w, 1e-6)
-    ry, rx, rr = fp8_rowquant.rmsnorm_rowwise_reference(x, w, 1e-6)
-    assert_rows_match(y_q, ry)
-    assert_saved_equal(x_q, rx)
-    np.testing.assert_allclose(rstd, rr, rtol=1e-5)
+class Fp8RowquantContract(Backend):
+    """The producers' contract, run on each backend by the subclasses below."""
+
+    @pytest.mark.parametrize(("shape", "tiles"), CASES)
+    def test_rmsnorm_rowwise_matches_reference(self, shape, tiles):
+        x, w = data(shape), 1.0 + 0.1 * jax.random.normal(jax.random.key(3), shape[-1:])
+        kernel = functools.partial(
+            fp8_rowquant.rmsnorm_rowwise_pallas, tiles=tiles, interpret=self.interpret
+        )
+        y_q, x_q, rstd = jax.jit(kernel, static_argnums=2)(x, w, 1e-6)
+        ry, rx, rr = fp8_rowquant.rmsnorm_rowwise_reference(x, w, 1e-6)
+        assert_rows_match(y_q, ry)
+        assert_saved_equal(x_q, rx)
+        np.testing.assert_allclose(rstd, rr, rtol=1e-5)
+
+    @pytest.mark.parametrize(("shape", "tiles"), CASES)
+    def test_swiglu_rowwise_matches_reference(self, shape, tiles):
+        gate, up = data(shape, seed=1), data(shape, seed=2)
+        kernel = functools.partial(
+            fp8_rowquant.swiglu_rowwise_pallas, tiles=tiles, interpret=self.interpret
+        )
+        h_q, g_q, u_q = jax.jit(kernel)(gate, up)
+        rh, rg, ru = fp8_rowquant.swiglu_rowwise_reference(gate, up)
+        assert_rows_match(h_q, rh)
+        assert_saved_equal((g_q, u_q), (rg, ru))
 
 
-@pytest.mark.parametrize(("shape", "tiles"), CASES)
-def test_swiglu_rowwise_matches_reference(shape, tiles):
-    gate, up = data(shape, seed=1), data(shape, seed=2)
-    kernel = functools.partial(fp8_rowquant.swiglu_rowwise_pallas, tiles=tiles, interpret=INTERPRET)
-    h_q, g_q, u_q = jax.jit(kernel)(gate, up)
-    rh, rg, ru = fp8_rowquant.swiglu_rowwise_reference(gate, up)
-    assert_rows_match(h_q, rh)
-    assert_saved_equal((g_q, u_q), (rg, ru))
+class TestInterpret(Fp8RowquantContract, Interpret):
+    pass
+
+
+class TestCompiledGPU(Fp8RowquantContract, CompiledGPU):
+    pass
 
 
 def test_row_scale_is_the_absmax_of_the_producer_output():
