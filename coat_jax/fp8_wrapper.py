@@ -16,9 +16,8 @@ dtypes, never at values, so ``jax.eval_shape(init)`` gives the same layout):
 1. The leaf belongs to a parameter: the parameter's full key path ends the leaf's key path (the
    rule ``coat_jax.training.sharding.state_shardings`` also uses; optax states mirror the
    parameters this way), the longest such parameter when several match.
-2. It has that parameter's shape and a floating dtype, FP8 takes fewer bytes than float32 for
-   it (not a scalar, an empty array or a handful of values: ``state_codec.fp8_pays``), and
-   ``mask`` selects the parameter.
+2. It has that parameter's shape, at least one axis and at least one element, and a floating
+   dtype; and ``mask`` selects the parameter.
 
 Everything else is kept exactly as ``inner`` made it: step counts, scalars and hyper-parameters,
 factored statistics (adafactor's ``v_row``/``v_col`` of a factored matrix), leaves whose shape
@@ -37,9 +36,7 @@ is still stored correctly, only in the other role's format.
 State layout (:class:`FP8State`): ``inner_state`` is ``inner``'s state with every quantized leaf
 replaced by its FP8 codes (the parameter's shape); ``scale``, ``expand`` and ``center`` have the
 same structure, holding the float32 per-group statistics (shape
-``param.shape[:-1] + (ceil(n / group_size),)``, or for a last axis too narrow to fill its groups
-``shape[:k] + (1, ..., 1, G)``: :mod:`coat_jax.state_codec`) at quantized leaves and
-``optax.MaskedNode()``
+``param.shape[:-1] + (ceil(n / group_size),)``) at quantized leaves and ``optax.MaskedNode()``
 elsewhere (``expand``/``center`` also where expansion is off). Every leaf therefore sits at a key
 path ending in its parameter's key path, with its parameter's rank, so the trainer shards it like
 the parameter. A quantized leaf costs 1 byte per element plus 12 bytes per group of 128 with
@@ -152,7 +149,7 @@ def _place(x, sharding):
     return jax.device_put(x, sharding)
 
 
-def _quantize(x, codec: _Codec, group_size: int, expand_min, view=None) -> StoredMoment:
+def _quantize(x, codec: _Codec, group_size: int, expand_min) -> StoredMoment:
     return state_codec.store(
         state_codec.quantize(
             x,
@@ -160,9 +157,7 @@ def _quantize(x, codec: _Codec, group_size: int, expand_min, view=None) -> Store
             expansion=codec.expansion,
             group_size=group_size,
             expand_min=expand_min,
-            view=view,
-        ),
-        x.shape,
+        )
     )
 
 
@@ -265,20 +260,20 @@ def fp8_state(
 
         def store(path, leaf):
             param, wanted, n = owner(path, by_path, longest)
-            codec = codecs[
-                "nonnegative" if field_name(path[: len(path) - n]) in nonnegative else "signed"
-            ]
             if (
                 not wanted
                 or not _is_floating(leaf)
                 or leaf.shape != param.shape
-                or not state_codec.fp8_pays(leaf.shape, group_size, 3 if codec.expansion else 1)
+                or leaf.ndim == 0
+                or leaf.size == 0
             ):
                 if param is not None and getattr(leaf, "shape", None) == param.shape:
                     sharding = getattr(param, "sharding", None)
                 else:
                     sharding = replicated
                 return state_codec.store(_place(leaf, sharding))
+            field = field_name(path[: len(path) - n])
+            codec = codecs["nonnegative" if field in nonnegative else "signed"]
             q = _quantize(leaf, codec, group_size, expand_min)
             stat_sharding = state_codec.stat_sharding(param, q.scale.shape)
             return StoredMoment(
@@ -302,8 +297,7 @@ def fp8_state(
             if isinstance(scale, optax.MaskedNode):
                 return state_codec.store(new)
             codec = _Codec(quant.format_of(codes.dtype), not isinstance(expand, optax.MaskedNode))
-            view = state_codec.stored_view(codes.shape, scale.shape, group_size)
-            return _quantize(new, codec, group_size, expand_min, view)
+            return _quantize(new, codec, group_size, expand_min)
 
         try:
             stored = jax.tree.map(store, new_inner, state.inner_state, state.scale, state.expand)

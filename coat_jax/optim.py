@@ -16,12 +16,9 @@ parameters. For a parameter quantized in FP8:
   ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes per parameter).
 
 Groups are ``group_size`` consecutive values along the last axis; a last axis that is not a
-multiple of ``group_size`` ends in a shorter, zero-padded group, and one too narrow to fill its
-groups three quarters is grouped along the flatten of the trailing axes instead, the statistics
-then of shape ``shape[:k] + (1, ..., 1, G)`` (:mod:`coat_jax.state_codec`, docs/fp8_state.md,
-'Narrow parameters'). Parameters that keep float32 moments: those whose FP8 state would take
-more bytes (scalars, empty arrays, a handful of values), and those ``fp8_mask`` excludes. For
-them ``*_codes`` holds the float32 moment itself and the statistics are ``optax.MaskedNode()``.
+multiple of ``group_size`` ends in a shorter, zero-padded group. Parameters that keep float32
+moments: scalars (no axis to group along), empty arrays, and those ``fp8_mask`` excludes. For them
+``*_codes`` holds the float32 moment itself and the statistics are ``optax.MaskedNode()``.
 
 Sharded parameters (docs/sharding.md): on several devices the Pallas kernel runs on each shard
 through ``shard_map`` once the optimizer knows the mesh: ``coat_adamw(..., mesh=mesh)``, with each
@@ -42,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax import quant, state_codec
 from coat_jax.fused_apply import (
@@ -55,7 +52,6 @@ from coat_jax.fused_apply import (
     clip_factor,
     fused_in_place,
 )
-from coat_jax.state_codec import StoredMoment
 from pallas_kernels import coat_adam as kernels
 from pallas_kernels import stacks
 from pallas_kernels.dispatch import check_implementation
@@ -143,23 +139,20 @@ def _static_group_size(group_size) -> int:
     return quant.check_group_size(group_size)
 
 
-def _quantized_flags(params, fp8_mask, spec: kernels.MomentSpec) -> list[bool]:
-    """Per leaf of ``params``: does it get FP8 moments (wanted, and fewer bytes than float32)?"""
+def _quantized_flags(params, fp8_mask) -> list[bool]:
+    """Per leaf of ``params``: does it get FP8 moments?"""
     leaves, treedef = jax.tree.flatten(params)
     if fp8_mask is None:
         wanted = [True] * len(leaves)
     else:
         wanted = state_codec.flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
-    n_stats = 3 if spec.expansion else 1
-    return [
-        bool(w) and state_codec.fp8_pays(p.shape, spec.group_size, n_stats)
-        for w, p in zip(wanted, leaves, strict=True)
-    ]
+    return [bool(w) and p.ndim >= 1 and p.size > 0 for w, p in zip(wanted, leaves, strict=True)]
 
 
-def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> StoredMoment:
-    """The stored fields of an all-zero moment, placed like ``param``."""
-    stat_shape = state_codec.stat_shape(param.shape, spec.group_size)
+def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant.QuantizedTensor:
+    """The quantized form of an all-zero moment, placed like ``param``."""
+    n = param.shape[-1]
+    stat_shape = (*param.shape[:-1], quant.num_groups(n, spec.group_size))
     # What quantizing one all-zero group gives: the state starts as exactly quantize(0).
     zero = state_codec.quantize(
         jnp.zeros((spec.group_size,), jnp.float32),
@@ -171,12 +164,14 @@ def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> Store
     sharding = state_codec.stat_sharding(param, stat_shape)
 
     def stat(value):
-        if value is None:
-            return optax.MaskedNode()
         return jnp.full(stat_shape, value[0], jnp.float32, device=sharding)
 
     codes = jnp.zeros_like(param, dtype=quant.FORMATS[fmt])
-    return StoredMoment(codes, stat(zero.scale), stat(zero.expand), stat(zero.center))
+    if not spec.expansion:
+        return zero.replace(codes=codes, scale=stat(zero.scale))
+    return zero.replace(
+        codes=codes, scale=stat(zero.scale), expand=stat(zero.expand), center=stat(zero.center)
+    )
 
 
 def scale_by_coat_adam(
@@ -218,8 +213,7 @@ def scale_by_coat_adam(
       nu_format: the second moment's FP8 format, ``"e4m3"`` (COAT's default) or ``"e5m2"``.
       fp8_mask: which parameters get FP8 moments, in optax's ``MaskOrFn`` convention (a tree of
         bools like the parameters, or a function of the parameters returning one). ``None``:
-        all of them. Masked-out ones, and those whose FP8 state would take more bytes than
-        float32 (scalars, empty arrays, a handful of values), keep float32 moments.
+        all of them. Masked-out ones, scalars and empty arrays keep float32 moments.
       implementation: ``"auto"`` (the Pallas kernel where it applies: on a GPU, with a
         power-of-two group size, on one device or with ``mesh`` given; jnp elsewhere),
         ``"xla"`` or ``"pallas"`` (on several devices without ``mesh``: concrete arrays run
@@ -269,17 +263,17 @@ def scale_by_coat_adam(
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)
-        flags = _quantized_flags(params, fp8_mask, spec)
+        flags = _quantized_flags(params, fp8_mask)
         mus, nus = [], []
         for p, quantized in zip(leaves, flags, strict=True):
             if quantized:
                 mus.append(_init_moment(p, spec.mu_format, spec, expand_min))
                 nus.append(_init_moment(p, spec.nu_format, spec, expand_min))
             else:
-                mus.append(state_codec.store(jnp.zeros_like(p, dtype=jnp.float32)))
-                nus.append(state_codec.store(jnp.zeros_like(p, dtype=jnp.float32)))
+                mus.append(jnp.zeros_like(p, dtype=jnp.float32))
+                nus.append(jnp.zeros_like(p, dtype=jnp.float32))
         count = jnp.zeros([], jnp.int32, device=state_codec.replicated_like(leaves))
-        return _state_from_stored(count, treedef, mus, nus)
+        return _state_from_leaves(count, treedef, mus, nus)
 
     def step(updates, state, params=None, decay=None, grad_scale=None, index=None):
         # See ScaleByCoatAdam.step.
@@ -294,15 +288,14 @@ def scale_by_coat_adam(
             learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
         else:
             (learning_rate, decays), ps = decay, treedef.flatten_up_to(params)
-        out, mus, nus, shapes = [], [], [], []
-        for g, p, wd, mu, nu, partition, stored_shape in zip(
+        out, mus, nus = [], [], []
+        for g, p, wd, mu, nu, partition in zip(
             leaves,
             ps,
             decays,
             moments_of(state, treedef, "mu", spec.group_size),
             moments_of(state, treedef, "nu", spec.group_size),
             partitions,
-            [c.shape for c in treedef.flatten_up_to(state.mu_codes)],
             strict=True,
         ):
             if not isinstance(mu, quant.QuantizedTensor):
@@ -328,9 +321,8 @@ def scale_by_coat_adam(
                 out.append(new_p)
                 mus.append(m)
                 nus.append(v)
-                shapes.append(stored_shape)
                 continue
-            leaf_mesh, partition = state_codec.kernel_placement(g, mesh, partition, implementation)
+            leaf_mesh, partition = _placement(g, mesh, partition, implementation)
             hyper = dict(
                 count=count,
                 b1=b1,
@@ -344,8 +336,6 @@ def scale_by_coat_adam(
                 partition=partition,
             )
             decayed = dict(learning_rate=learning_rate, weight_decay=wd, grad_scale=grad_scale)
-            # The moments come as their grouped views (state_codec.load); the kernels take them
-            # so and return them so.
             if p is None:
                 u, new_mu, new_nu = kernels.coat_adam_step(g, mu, nu, **hyper)
             else:
@@ -355,8 +345,7 @@ def scale_by_coat_adam(
             out.append(u)
             mus.append(new_mu)
             nus.append(new_nu)
-            shapes.append(stored_shape)
-        return treedef.unflatten(out), _state_from_leaves(new_count, treedef, mus, nus, shapes)
+        return treedef.unflatten(out), _state_from_leaves(new_count, treedef, mus, nus)
 
     def update_fn(updates, state, params=None):
         del params
@@ -385,26 +374,44 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
     return specs
 
 
+def _placement(grad, mesh, partition, implementation: str) -> tuple[Mesh | None, Any]:
+    """``(mesh, PartitionSpec)`` the kernel steps one parameter under.
+
+    With ``mesh`` given, that mesh and the parameter's spec. Without it, on a process with
+    several devices, ``implementation="pallas"`` takes the placement from a concrete gradient's
+    ``NamedSharding`` (so no operand is gathered), and refuses a traced one: inside ``jit`` the
+    placement is decided later, and a ``pallas_call`` with no partitioning rule would make XLA
+    gather sharded operands whole. ``"auto"`` then runs the XLA path (``dispatch``).
+    """
+    if mesh is not None or implementation != "pallas" or jax.device_count() == 1:
+        return mesh, partition
+    if isinstance(grad, jax.core.Tracer):
+        raise ValueError(
+            f"coat_adamw(implementation='pallas') inside jit on a process with "
+            f"{jax.device_count()} devices needs mesh= and partition_specs= (the kernel has no "
+            "partitioning rule, so XLA would gather sharded parameters whole); pass them, or "
+            "use implementation='auto', whose XLA path partitions like any jnp code"
+        )
+    sharding = grad.sharding
+    if len(sharding.device_set) == 1:
+        return None, None
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+            f"coat_adamw(implementation='pallas') got a gradient placed as {sharding}, not a "
+            "NamedSharding; pass mesh= and partition_specs="
+        )
+    return sharding.mesh, sharding.spec
+
+
 def _named_format(name: str, fmt) -> str:
     if fmt not in quant.FORMATS:
         raise ValueError(f"unknown {name} {fmt!r}; valid values are {sorted(quant.FORMATS)}")
     return fmt
 
 
-def _state_from_leaves(count, treedef, mus, nus, shapes=None) -> ScaleByCoatAdamState:
-    """The state holding moments (grouped-view ``QuantizedTensor``s or float32 arrays) stored
-    in their parameters' ``shapes`` (``None``: the moments' own shapes)."""
-    shapes = [None] * len(mus) if shapes is None else shapes
-
-    def stored(moments):
-        return [state_codec.store(m, s) for m, s in zip(moments, shapes, strict=True)]
-
-    return _state_from_stored(count, treedef, stored(mus), stored(nus))
-
-
-def _state_from_stored(count, treedef, mus, nus) -> ScaleByCoatAdamState:
+def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
     def field(moments, i):
-        return treedef.unflatten([m[i] for m in moments])
+        return treedef.unflatten([state_codec.store(m)[i] for m in moments])
 
     return ScaleByCoatAdamState(
         count,
@@ -415,8 +422,7 @@ def _state_from_stored(count, treedef, mus, nus) -> ScaleByCoatAdamState:
 
 def moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: int) -> list:
     """The moments ``prefix`` (``"mu"`` or ``"nu"``) of ``state``, one per leaf of ``treedef``:
-    each a ``QuantizedTensor`` of its grouped view, or the float32 moment
-    (``coat_jax.state_codec.load``)."""
+    each a ``QuantizedTensor``, or the float32 moment (``coat_jax.state_codec.load``)."""
     fields = [getattr(state, f"{prefix}_{name}") for name in ("codes", "scale", "expand", "center")]
     per_field = [treedef.flatten_up_to(f) for f in fields]
     return [state_codec.load(*parts, group_size) for parts in zip(*per_field, strict=True)]
@@ -588,12 +594,11 @@ def dequantized_moments(opt_state, *, group_size: int = DEFAULT_GROUP_SIZE):
     )
 
     def read(prefix):
-        fields = [
-            getattr(state, f"{prefix}_{name}") for name in ("codes", "scale", "expand", "center")
-        ]
-        per_field = [treedef.flatten_up_to(f) for f in fields]
         return treedef.unflatten(
-            [state_codec.dequantize(*parts, group_size) for parts in zip(*per_field, strict=True)]
+            [
+                m.dequantize() if isinstance(m, quant.QuantizedTensor) else m
+                for m in moments_of(state, treedef, prefix, group_size)
+            ]
         )
 
     return read("mu"), read("nu")

@@ -35,7 +35,6 @@ from pallas_kernels.quant import (
     format_of,
     fp8_format,
     from_groups,
-    grouped_axis,
     named,
     num_groups,
     quantize_absmax,
@@ -43,7 +42,6 @@ from pallas_kernels.quant import (
     round_scale,
     state_bytes,
     to_groups,
-    view_shape,
 )
 
 __all__ = [
@@ -59,8 +57,6 @@ __all__ = [
     "check_group_size",
     "to_groups",
     "from_groups",
-    "grouped_axis",
-    "view_shape",
     "GRANULARITIES",
     "QuantizedTensor",
     "named",

@@ -38,18 +38,6 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or belongs to a different run set-up."""
 
 
-def cause(error: BaseException, limit: int = 200) -> str:
-    """An error's type and first line, at most ``limit`` characters: what went wrong, without
-    the TensorStore spec and source locations that Orbax's messages carry after it."""
-    lines = str(error).strip().splitlines()
-    first = lines[0] if lines else ""
-    for marker in (" [tensorstore_spec", " [source locations"):
-        first = first.split(marker)[0]
-    if len(first) > limit:
-        first = first[: limit - 3] + "..."
-    return f"{type(error).__name__}: {first}"
-
-
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
@@ -166,7 +154,7 @@ def read_params(output_dir: str | Path, step: int | None = None) -> tuple[dict, 
                 "meta"
             ]
         except Exception as e:
-            raise CheckpointError(f"{where} is unreadable: {cause(e)}") from e
+            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
         if not isinstance(meta, dict) or not {"fingerprint", "leaves", "checksums"} <= set(meta):
             raise CheckpointError(f"{where} has no coat_jax training metadata")
         abstract = _abstract_subtree(meta["leaves"], "params")
@@ -185,7 +173,7 @@ def read_params(output_dir: str | Path, step: int | None = None) -> tuple[dict, 
                 ),
             )["state"]["params"]
         except Exception as e:
-            raise CheckpointError(f"{where} is unreadable: {cause(e)}") from e
+            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
     sums = meta["checksums"]
     bad = [k for k, v in leaf_checksums({"params": params}).items() if sums.get(k) != v]
     if bad:

@@ -89,32 +89,6 @@ def check_group_size(group_size) -> int:
     return int(group_size)
 
 
-def _fills(m: int, group_size: int) -> bool:
-    # Three quarters full on average bounds the statistics at 4/3 of a group's share:
-    # docs/fp8_state.md, 'Narrow parameters', has the bytes per parameter this gives.
-    return 4 * m >= 3 * num_groups(m, group_size) * group_size
-
-
-def grouped_axis(shape: tuple[int, ...], group_size: int) -> int:
-    """``k``: an optimizer moment's groups run along the row-major flatten of ``shape[k:]``, for
-    the largest ``k`` whose block fills its groups at least three quarters, ``0`` if none does
-    (``coat_jax.state_codec``; docs/fp8_state.md, 'Narrow parameters').
-
-    Depends on the trailing axes only, so a stack of parameters (a leading layer axis) groups
-    each element as the element alone would.
-    """
-    for k in range(len(shape) - 1, -1, -1):
-        if _fills(math.prod(shape[k:]), group_size):
-            return k
-    return 0
-
-
-def view_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-    """The grouped view of a parameter of ``shape``: ``shape[:k] + (prod(shape[k:]),)``."""
-    k = grouped_axis(shape, group_size)
-    return (*shape[:k], math.prod(shape[k:]))
-
-
 def to_groups(x: jax.Array, group_size: int) -> jax.Array:
     """``[..., n]`` -> ``[..., G, group_size]``, zero-padding a short last group."""
     if x.ndim == 0:

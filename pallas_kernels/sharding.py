@@ -39,8 +39,6 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels import quant
-
 
 def shard_map(fn, mesh: Mesh, in_specs, out_specs):
     """``jax.shard_map`` without replication checks (``pallas_call`` has no rule for them).
@@ -114,17 +112,6 @@ def group_aligned_spec(
     if free:
         entries[max(free, key=lambda i: (shape[i], -i))] = last
     return PartitionSpec(*entries)
-
-
-def view_spec(spec: PartitionSpec, shape: tuple[int, ...], view: tuple[int, ...]) -> PartitionSpec:
-    """The split of ``view``, a row-major reshape of ``shape`` that flattens its trailing axes
-    (an optimizer moment's grouped view), given the split ``spec`` of ``shape``: the flattened
-    axes keep the first one's split when no later one is split (each shard is then a contiguous
-    run of the flatten), and are unsplit otherwise."""
-    k = len(view) - 1
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    tail = entries[k] if all(e is None for e in entries[k + 1 :]) else None
-    return PartitionSpec(*entries[:k], tail)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +193,7 @@ def fsdp_spec(
 
     An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
     quantization groups of ``group_size`` values run along) only when each shard's length is a
-    multiple of ``group_size``. Where the optimizer groups a narrow parameter along the flatten
-    of its trailing axes (:func:`~pallas_kernels.quant.grouped_axis`), the first of them stands
-    for the last: it qualifies when each shard holds whole groups of the flatten, the others
-    do not. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
+    multiple of ``group_size``. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
     projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
     ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
     rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
@@ -222,15 +206,11 @@ def fsdp_spec(
     """
     if fsdp_size == 1 or not shape:
         return PartitionSpec()
-    # The optimizer's groups run along the flatten of shape[k:] (quant.grouped_axis; k is the
-    # last axis unless that is too narrow): an axis before k splits whole groups; axis k only
-    # if each shard's run of the flatten is whole groups; a later one would cut the runs.
-    k = quant.grouped_axis(tuple(shape), group_size)
+    last = len(shape) - 1
     candidates = [
         i
         for i, d in enumerate(shape)
-        if d % fsdp_size == 0
-        and (i < k or (i == k and (d // fsdp_size) * math.prod(shape[k + 1 :]) % group_size == 0))
+        if d % fsdp_size == 0 and (i < last or (d // fsdp_size) % group_size == 0)
     ]
     if not candidates:
         return PartitionSpec()

@@ -8,10 +8,9 @@ only counts when each shard holds whole groups (``(n / fsdp) % 128 == 0``): ever
 lies on one device and the fused optimizer step runs on each shard as it is stored, with no
 communication at all. A parameter with no such axis is replicated. An optimizer-state leaf
 follows the parameter it belongs to: a leaf of the parameter's rank (FP8 codes, shape
-``p.shape``; per-group statistics, ``p.shape[:-1] + (groups,)``, or ``shape[:k] + (1, ..., 1,
-groups)`` for a narrow parameter) takes the parameter's spec
-(:func:`coat_jax.state_codec.stat_spec`) with any axis the leaf's size there does not divide
-left unsplit; other leaves (step counts, scalars) are replicated. On one device every spec is trivially replicated.
+``p.shape``; per-group statistics, ``p.shape[:-1] + (groups,)``) takes the parameter's spec with
+any axis the leaf's size there does not divide left unsplit; other leaves (step counts,
+scalars) are replicated. On one device every spec is trivially replicated.
 
 With several processes (``coat_jax.training.distributed``) the mesh spans every process's
 devices and :func:`put_batch` builds each global batch from the rows the process's own devices
@@ -27,7 +26,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coat_jax.llama_layout import is_stacked_layer
-from coat_jax.state_codec import stat_spec
 
 # The FSDP rule lives with the kernels that run on its shards; the model says which of its
 # parameters are stacked layers.
@@ -75,7 +73,11 @@ def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
 def _follow(spec: PartitionSpec, param_shape, leaf_shape, mesh: Mesh) -> PartitionSpec:
     if len(leaf_shape) != len(param_shape):
         return PartitionSpec()
-    return stat_spec(spec, param_shape, leaf_shape, dict(mesh.shape))
+    entries = list(spec) + [None] * (len(leaf_shape) - len(spec))
+    for i, name in enumerate(entries):
+        if name is not None and leaf_shape[i] % mesh.shape[name]:
+            entries[i] = None
+    return PartitionSpec(*entries)
 
 
 def state_shardings(abstract_opt_state, abstract_params, mesh: Mesh):

@@ -29,11 +29,7 @@ from coat_jax.optim import moments_of
 class SamplePlan:
     """Which values of one tensor the relative error looks at (static: it only knows shapes).
 
-    The plan is made on the tensor's grouped view (``coat_jax.state_codec.view_shape``: the
-    layout its FP8 moments are stored in), and :meth:`values` views a tensor so first.
-
     Attributes:
-      view: the grouped view's shape.
       row_slices: ``(axis, stride, count)`` per leading axis that is sampled: indices
         ``0, stride, ..., (count - 1) * stride``.
       group_stride, group_count: groups ``0, group_stride, ...`` along the last axis.
@@ -43,7 +39,6 @@ class SamplePlan:
         sample covers more densely).
     """
 
-    view: tuple[int, ...]
     row_slices: tuple[tuple[int, int, int], ...]
     group_stride: int
     group_count: int
@@ -55,7 +50,6 @@ class SamplePlan:
         """The plan of a tensor of ``shape`` (``None`` for scalars and empty arrays)."""
         if not shape or math.prod(shape) == 0:
             return None
-        shape = state_codec.view_shape(tuple(shape), group_size)
         row_slices, budget = [], rows
         for axis in range(1 if stacked and len(shape) > 1 else 0, len(shape) - 1):
             count = min(shape[axis], max(1, budget))
@@ -69,12 +63,12 @@ class SamplePlan:
         per_row = sum(min(group_size, n - g * stride * group_size) for g in range(count))
         sampled = per_row * math.prod(shape[:-1]) // math.prod(shape[a] for a, _, _ in row_slices)
         sampled *= math.prod(c for _, _, c in row_slices)
-        return cls(shape, tuple(row_slices), stride, count, group_size, math.prod(shape) / sampled)
+        return cls(tuple(row_slices), stride, count, group_size, math.prod(shape) / sampled)
 
     def values(self, x: jax.Array) -> jax.Array:
-        """The sampled values of a parameter-shaped ``x`` (or its grouped view):
-        ``[..., group_count * group_size]`` (a short last group zero-padded)."""
-        x_g = quant.to_groups(self._rows(x.reshape(self.view)), self.group_size)
+        """The sampled values of a parameter-shaped ``x``: ``[..., group_count * group_size]``
+        (a short last group zero-padded)."""
+        x_g = quant.to_groups(self._rows(x), self.group_size)
         x_g = self._groups(x_g, axis=x_g.ndim - 2)
         return x_g.reshape(*x_g.shape[:-2], self.group_count * self.group_size)
 

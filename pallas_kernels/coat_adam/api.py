@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
@@ -16,7 +14,6 @@ from pallas_kernels.coat_adam.reference import coat_adam_step_reference, coat_ad
 from pallas_kernels.coat_adam.sharded import sharded_call
 from pallas_kernels.dispatch import dispatch
 from pallas_kernels.quant import QuantizedTensor
-from pallas_kernels.sharding import view_spec
 
 
 def _check_kernel_spec(spec: MomentSpec) -> None:
@@ -26,12 +23,6 @@ def _check_kernel_spec(spec: MomentSpec) -> None:
         raise NotImplementedError(
             f"the Pallas kernel needs a power-of-two group_size, got {spec.group_size}"
         )
-
-
-def _viewed(x, view):
-    """``x`` as the moments' grouped view (a row-major reshape of its trailing axes); as it is
-    where the sizes differ, so that the kernel's shape checks name the mismatch."""
-    return x.reshape(view) if math.prod(view) == x.size else x
 
 
 def _check_placement(mesh, partition) -> None:
@@ -119,9 +110,8 @@ def coat_adam_step_pallas(
     _check_placement(mesh, partition)
     _check_kernel_spec(spec)
     hyper = hyper_vector(count=count, b1=b1, b2=b2, eps=eps, expand_min=expand_min, spec=spec)
-    view = mu.codes.shape
-    update, new_mu, new_nu = sharded_call(
-        _viewed(grad, view),
+    return sharded_call(
+        grad,
         None,
         mu,
         nu,
@@ -130,9 +120,8 @@ def coat_adam_step_pallas(
         config=config,
         interpret=interpret,
         mesh=mesh,
-        partition=None if partition is None else view_spec(partition, grad.shape, view),
+        partition=partition,
     )
-    return update.reshape(grad.shape), new_mu, new_nu
 
 
 def _no_spec(kwargs):
@@ -208,11 +197,9 @@ def coat_adamw_apply(
         hyper = hyper_vector(
             spec=spec, **decay, **scale, **_no_spec(kwargs), index=index if in_place else None
         )
-        # The kernel runs on the moments' grouped view; a stack's elements are viewed alike.
-        view = mu.codes.shape[1:] if in_place else mu.codes.shape
-        new_param, new_mu, new_nu = sharded_call(
-            _viewed(grad, view),
-            _viewed(param, mu.codes.shape),
+        return sharded_call(
+            grad,
+            param,
             mu,
             nu,
             hyper,
@@ -220,10 +207,9 @@ def coat_adamw_apply(
             config=config,
             interpret=interpret,
             mesh=mesh,
-            partition=None if partition is None else view_spec(partition, grad.shape, view),
+            partition=partition,
             stacked=in_place,
         )
-        return new_param.reshape(param.shape), new_mu, new_nu
 
     def pallas():
         _check_kernel_spec(spec)
@@ -231,7 +217,7 @@ def coat_adamw_apply(
             raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
         if not jnp.issubdtype(param.dtype, jnp.floating):
             raise TypeError(f"param must be a float array, got {param.dtype}")
-        if stacked and mu.codes.shape[-1] % spec.group_size:
+        if stacked and grad.shape[-1] % spec.group_size:
             # The in-place kernel takes whole groups only (fused_call): a short last group
             # steps the element's slices with the per-parameter kernel and writes them back.
             return stacks.step_element(lambda t: kernel(*t, in_place=False), (param, mu, nu), index)

@@ -60,9 +60,7 @@ def coat_adam_step_reference(
 
     Args:
       grad: the gradient, any float dtype, the parameter's shape.
-      mu, nu: the quantized first and second moments (per group of ``spec.group_size`` along
-        their last axis), in the parameter's shape or a grouped view of it (a row-major reshape
-        that flattens trailing axes, ``coat_jax.state_codec.view_shape``).
+      mu, nu: the quantized first and second moments (per group of ``spec.group_size``).
       count: the step number t, starting at 1 (a traced int is fine).
       b1, b2, eps, expand_min: numeric hyper-parameters (traced values are fine).
       spec: the static quantization settings.
@@ -73,13 +71,13 @@ def coat_adam_step_reference(
     """
     check_groups("mu", mu, spec)
     check_groups("nu", nu, spec)
-    m = mu.dequantize().reshape(grad.shape)
-    v = nu.dequantize().reshape(grad.shape)
+    m = mu.dequantize()
+    v = nu.dequantize()
     m, v, update = adam_moments_and_update(grad, m, v, count=count, b1=b1, b2=b2, eps=eps)
     return (
         update.astype(grad.dtype),
-        quantize_moment(m.reshape(mu.codes.shape), spec.mu_format, spec, expand_min),
-        quantize_moment(v.reshape(nu.codes.shape), spec.nu_format, spec, expand_min),
+        quantize_moment(m, spec.mu_format, spec, expand_min),
+        quantize_moment(v, spec.nu_format, spec, expand_min),
     )
 
 

@@ -511,9 +511,6 @@ class CoatAdamContract:
             "w": jax.random.normal(jax.random.key(0), (3, 256)),
             "b": jax.random.normal(jax.random.key(1), (130,)),
             "k": jax.random.normal(jax.random.key(2), (2, 3, 128)),
-            # Narrow: grouped along the flatten (docs/fp8_state.md, 'Narrow parameters').
-            "n": jax.random.normal(jax.random.key(3), (512, 1)),
-            "o": jax.random.normal(jax.random.key(4), (7, 129)),
         }
         lr, steps = 1e-2, 3
         runs = {}
