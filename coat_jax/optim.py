@@ -375,14 +375,9 @@ def _leaf_partitions(updates, treedef, mesh, partition_specs) -> list:
 
 
 def _placement(grad, mesh, partition, implementation: str) -> tuple[Mesh | None, Any]:
-    """``(mesh, PartitionSpec)`` the kernel steps one parameter under.
-
-    With ``mesh`` given, that mesh and the parameter's spec. Without it, on a process with
-    several devices, ``implementation="pallas"`` takes the placement from a concrete gradient's
-    ``NamedSharding`` (so no operand is gathered), and refuses a traced one: inside ``jit`` the
-    placement is decided later, and a ``pallas_call`` with no partitioning rule would make XLA
-    gather sharded operands whole. ``"auto"`` then runs the XLA path (``dispatch``).
-    """
+    """``(mesh, PartitionSpec)`` the kernel steps one parameter under: ``mesh``'s, else (pallas on
+    several devices) a concrete gradient's ``NamedSharding``; a traced one is refused, since a
+    ``pallas_call`` with no partitioning rule would make XLA gather sharded operands whole."""
     if mesh is not None or implementation != "pallas" or jax.device_count() == 1:
         return mesh, partition
     if isinstance(grad, jax.core.Tracer):
