@@ -15,7 +15,7 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def xla_flags(devices: int, *more: str) -> str:
-    """``XLA_FLAGS`` for a child process with ``devices`` CPU devices, keeping the session's flags
+    """``XLA_FLAGS`` for a child process with ``devices`` CPU devices, keeping the test run's flags
     (the test compile settings of conftest.py)."""
     flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}"]
     return " ".join(f for f in [*flags, *more] if f)

@@ -619,7 +619,7 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(good_run, tmp_path, cache_
     before = dir_digest(run)
     # Through train.py in a child process: after a failed read Orbax leaves background threads
     # that report "Event loop is closed" at interpreter exit, which in pytest's own process
-    # raced its end-of-session summary.
+    # raced pytest's closing summary.
     overrides = [*TINY, f"output_dir={run}", *cache_overrides(cache_dir), "steps=8", "resume=true"]
     proc = subprocess.run(
         [sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True, text=True
