@@ -16,8 +16,8 @@ distributed runtime in exactly two cases, and otherwise does nothing (one proces
 inside one Slurm step). A program that initialized ``jax.distributed`` itself is left alone.
 
 After it, ``jax.devices()`` lists every process's devices, the trainer's mesh spans all of them,
-each process transfers only its own devices' rows of every batch
-(:func:`coat_jax.training.sharding.put_batch`), only the main process (index 0) writes
+each process reads and transfers only its own devices' rows of every batch
+(:func:`coat_jax.training.sharding.put_rows`), only the main process (index 0) writes
 metrics.jsonl, config.yaml, the loss plot and status lines, and every process takes part in
 Orbax's checkpoint saves and restores (the output directory must be one shared file system).
 A stop signal (SIGTERM, Ctrl-C) that reaches only some processes stops all of them at the same

@@ -45,7 +45,7 @@ from coat_jax.llama import default_positions
 from coat_jax.optim import apply_gradients_at, fused_in_place
 from coat_jax.training import sharding
 from coat_jax.training.act_telemetry import ActivationTelemetry
-from coat_jax.training.model import split_window
+from coat_jax.training.model import split_window, target_count
 from coat_jax.training.step import apply_strategy
 from pallas_kernels.stacks import element, put_element
 
@@ -304,7 +304,7 @@ def make_train_step(
         grad_norm = jnp.sqrt(sum_sq + _sum_squares(g_embed))
         new_state = LayerwiseState(layer_states, head_state, embed_state, opt_state.count + 1)
         new_params = {**head_params, **embed_params, "layers": layers}
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": target_count(tokens_ABT1)}
         if activations is not None:
             scales = {"layers": layer_scales[0], "norm": norm_scales[0]}
             metrics.update(activations.metrics(scales, observe))

@@ -22,7 +22,7 @@ from coat_jax.generate import sample_text
 from coat_jax.training import distributed, sharding
 from coat_jax.training.checkpoint import Checkpointer, CheckpointSaveError
 from coat_jax.training.config import TrainConfig, to_dict
-from coat_jax.training.data import PackedWindows, loss_tokens, validation_batches
+from coat_jax.training.data import PackedWindows, validation_window_ids
 from coat_jax.training.errors import error_line, exit_code
 from coat_jax.training.metrics import MetricsLog, WandbWriter, plot_loss_curve
 from coat_jax.training.model import COMPUTE_DTYPES
@@ -48,9 +48,15 @@ class TrainResult:
 
 
 def evaluate(eval_fn, params, windows: PackedWindows, cfg: TrainConfig, batch_sharding) -> float:
+    shape = (cfg.batch_size, windows.seq_len + 1)
     losses = [
-        eval_fn(params, sharding.put_batch(batch, batch_sharding))
-        for batch in validation_batches(windows, cfg.batch_size, cfg.eval_batches)
+        eval_fn(
+            params,
+            sharding.put_rows(
+                lambda rows, ids=ids: windows.gather(ids[rows]), shape, batch_sharding
+            ),
+        )
+        for ids in validation_window_ids(windows, cfg.batch_size, cfg.eval_batches)
     ]
     return float(np.mean(jax.device_get(losses)))
 
@@ -288,6 +294,14 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
         say(f"step 0: validation loss {val_loss:.4f} (before training)")
     # Several processes stop together: a signal becomes a decision of all at a step boundary.
     agreement = distributed.StopAgreement(say)
+    if agreement.several:
+        shape = (cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1)
+        held = program.batch_sharding.addressable_devices
+        say(
+            f"process {jax.process_index()} of {jax.process_count()} reads "
+            f"{len(sharding.batch_rows(shape, program.batch_sharding, held))} of the "
+            f"{sequences_per_step} sequences of each step: the rows its devices hold"
+        )
     trace = StepTrace(cfg.profile_steps, out / "profile", say)
     with GracefulStop(say, lambda: progress.finished) as stop, trace:
         if step < last_step:
@@ -297,9 +311,12 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             say(f"step {step + 1}: compiling the train step")
         while step < last_step and agreement.stop(stop.signum) is None:
             trace.before(step + 1)
-            batch = run.order.take(position, sequences_per_step)
-            batch = batch.reshape(cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1)
-            args = (params, opt_state, sharding.put_batch(batch, program.batch_sharding))
+            batch = sharding.put_rows(
+                lambda rows, at=position: run.order.take(at, sequences_per_step, rows),
+                (cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1),
+                program.batch_sharding,
+            )
+            args = (params, opt_state, batch)
             if step + 1 == progress.first_step and not agreement.several:
                 outputs = first_step_of(cfg, program.step_fn, args, stop)
                 if outputs is None:  # the state went to the abandoned step
@@ -308,7 +325,6 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             else:
                 outputs = program.step_fn(*args)
             params, opt_state, metrics = outputs
-            metrics = {**metrics, "loss_tokens": loss_tokens(batch)}
             del args, outputs
             step += 1
             position += sequences_per_step

@@ -22,7 +22,7 @@ from coat_jax.llama import Llama, LlamaConfig
 from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
-from coat_jax.training.data import DOCUMENT_START
+from coat_jax.training.data import DOCUMENT_START, targets
 from coat_jax.training.op_kernels import parse_op_kernels
 from coat_jax.training.optimizers import kernel_options
 from pallas_kernels.sharding import KernelMesh
@@ -236,6 +236,12 @@ def split_window(model_def: ModelDef, tokens_BT1) -> tuple:
         last_start_BT = jax.lax.cummax(jnp.where(starts_BT, index_BT, 0), axis=1)
         positions_BT = index_BT - last_start_BT
     return inputs_BT, labels_BT, segments_BT, positions_BT
+
+
+def target_count(tokens_ABT1) -> jax.Array:
+    """How many labels of windows (``[..., T + 1]``) are loss targets, counted where the windows
+    are (every label of plain text, the assistant's tokens of a chat): ``loss_tokens``."""
+    return jnp.count_nonzero(targets(tokens_ABT1))
 
 
 def loss_from_hidden(model_def: ModelDef, model: Llama, hidden_BTD, labels_BT) -> jax.Array:

@@ -197,7 +197,7 @@ def _log_record(pending, step, schedule, tokens_since, elapsed) -> dict:
         # The target tokens of the steps behind ``loss``: every label of plain text, the
         # assistant's tokens of a chat.
         **(
-            {"loss_tokens": sum(v["loss_tokens"] for v in values)}
+            {"loss_tokens": int(sum(v["loss_tokens"] for v in values))}
             if "loss_tokens" in values[0]
             else {}
         ),

@@ -13,8 +13,8 @@ any axis the leaf's size there does not divide left unsplit; other leaves (step 
 scalars) are replicated. On one device every spec is trivially replicated.
 
 With several processes (``coat_jax.training.distributed``) the mesh spans every process's
-devices and :func:`put_batch` builds each global batch from the rows the process's own devices
-hold.
+devices and :func:`put_rows` builds each global batch from the rows the process's own devices
+hold, reading no other.
 """
 
 from __future__ import annotations
@@ -113,19 +113,37 @@ def batch_sharding(mesh: Mesh, *, batch_axis: int, rank: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """The global batch ``batch`` (every process's host copy) as one array placed as ``sharding``.
+def batch_rows(shape: tuple[int, ...], sharding: NamedSharding, devices) -> np.ndarray:
+    """The rows of a global batch of ``shape`` (a row: an index over every axis but the last,
+    flattened) that ``devices`` hold when it is placed as ``sharding``; sorted, each once."""
+    flat = np.arange(math.prod(shape[:-1])).reshape(shape[:-1])
+    held = sharding.devices_indices_map(shape)
+    return np.unique(np.concatenate([flat[held[d][:-1]].ravel() for d in devices]))
 
-    With one process this is ``jax.device_put``. With several, each process transfers only the
-    rows its own devices hold (``jax.make_array_from_callback``), and nothing checks that the
-    processes agree: they do by construction, since the data order is a pure function of the
+
+def put_rows(read, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+    """A global batch of ``shape`` placed as ``sharding``, of which this process reads only the
+    rows its own devices hold. ``read(rows)`` gives the rows ``rows`` (flattened indices over
+    every axis but the last) as ``[len(rows), shape[-1]]``.
+
+    With one process this is ``jax.device_put`` of every row. With several, each process reads
+    and transfers only its own rows (``jax.make_array_from_callback``), and nothing checks that
+    the processes agree: they do by construction, since the data order is a pure function of the
     seed and the data position (``coat_jax.training.data.TrainOrder``). ``jax.device_put`` of a
     host array onto devices of other processes would compare the whole batch across processes
     at every step first.
     """
+    rows = math.prod(shape[:-1])
     if jax.process_count() == 1:
-        return jax.device_put(batch, sharding)
-    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
+        return jax.device_put(read(np.arange(rows)).reshape(shape), sharding)
+    mine = batch_rows(shape, sharding, sharding.addressable_devices)
+    local = read(mine)
+    where = np.full(rows, -1, dtype=np.int64)
+    where[mine] = np.arange(len(mine))
+    flat = where.reshape(shape[:-1])
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: local[flat[index[:-1]]][..., index[-1]]
+    )
 
 
 def check_batch_divisible(batch_size: int, mesh: Mesh) -> None:

@@ -20,7 +20,12 @@ import optax
 from coat_jax.master import apply_updates_stochastic, float32_optimizer
 from coat_jax.optim import apply_gradients
 from coat_jax.training.act_telemetry import ActivationTelemetry
-from coat_jax.training.model import ModelDef, next_token_loss, observed_next_token_loss
+from coat_jax.training.model import (
+    ModelDef,
+    next_token_loss,
+    observed_next_token_loss,
+    target_count,
+)
 from coat_jax.training.telemetry import StateTelemetry
 
 
@@ -156,6 +161,7 @@ def make_train_step(
         grad_norm = optax.tree.norm(as_f32(grads) if low_precision else grads)
         if activations is not None:
             observed = {**observed, **activations.metrics(scales, observe)}
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, **observed}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": target_count(tokens_ABT1)}
+        return params, opt_state, {**metrics, **observed}
 
     return train_step

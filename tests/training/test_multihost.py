@@ -111,8 +111,41 @@ def test_one_process_puts_batches_as_before():
     mesh = jax.make_mesh((1, 1), ("data", "fsdp"))
     from coat_jax.training import sharding
 
-    placed = sharding.put_batch(batch, sharding.batch_sharding(mesh, batch_axis=1, rank=3))
+    reads = []
+
+    def read(rows):
+        reads.append(rows)
+        return batch.reshape(16, 5)[rows]
+
+    placed = sharding.put_rows(
+        read, batch.shape, sharding.batch_sharding(mesh, batch_axis=1, rank=3)
+    )
     np.testing.assert_array_equal(np.asarray(placed), batch)
+    # One read of every row, in order.
+    assert len(reads) == 1 and reads[0].tolist() == list(range(16))
+
+
+class _FourWaysOfTheBatchAxis:
+    """A sharding's ``devices_indices_map`` for a ``(accum, batch, T)`` batch whose batch axis
+    is split over four devices ``d0..d3``, the accumulation axis whole on each."""
+
+    def devices_indices_map(self, shape):
+        quarter = shape[1] // 4
+        return {
+            f"d{i}": (slice(None), slice(i * quarter, (i + 1) * quarter), slice(None))
+            for i in range(4)
+        }
+
+
+def test_the_rows_of_two_processes_are_disjoint_and_cover_the_batch():
+    from coat_jax.training import sharding
+
+    shape, split = (2, 8, 5), _FourWaysOfTheBatchAxis()
+    first = sharding.batch_rows(shape, split, ["d0", "d1"])
+    second = sharding.batch_rows(shape, split, ["d2", "d3"])
+    # Rows are flattened over (accum, batch): process 0 holds sequences 0-3 of each micro-batch.
+    assert first.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert second.tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
 
 
 def test_one_process_stops_on_its_own_signal_at_once():
@@ -239,6 +272,15 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
     assert [r["step"] for r in two] == [r["step"] for r in one]
     assert (multi / "config.yaml").is_file() and (multi / "loss_curve.png").is_file()
     assert sorted(p.name for p in (multi / "processes" / "1").iterdir()) == ["train.log"]
+    # Process 0 tokenized (or found the cache the other run wrote) while process 1 waited for
+    # it; each read only its own devices' half of every batch.
+    second = (multi / "processes" / "1" / "train.log").read_text()
+    assert "tokenized" not in second
+    assert "process 1 of 2 reads 4 of the 8 sequences of each step" in second
+    assert (
+        "process 0 of 2 reads 4 of the 8 sequences of each step"
+        in (multi / "train.log").read_text()
+    )
     losses = [(a["loss"], b["loss"]) for a, b in zip(two, one, strict=True) if "loss" in a]
     worst = max(abs(a - b) / b for a, b in losses)
     # Both processes took part in the checkpoint (Orbax writes from all of them): it reads back

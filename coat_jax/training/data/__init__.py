@@ -16,7 +16,8 @@ from coat_jax.training.data.order import (
     TrainOrder,
     loss_tokens,
     mixture_counts,
-    validation_batches,
+    targets,
+    validation_window_ids,
 )
 from coat_jax.training.data.settings import (
     DEFAULT_DATA_PATH,
@@ -56,6 +57,7 @@ __all__ = [
     "source_files",
     "split_names",
     "tokenize_to_cache",
-    "validation_batches",
+    "targets",
+    "validation_window_ids",
     "within_documents",
 ]

@@ -24,10 +24,15 @@ DOCUMENT_START = 1 << 30
 MIXTURE_BLOCK = 4096
 
 
+def targets(windows):
+    """Which labels of windows (``[..., T + 1]``, as :class:`PackedWindows` gives them; a NumPy
+    or a JAX array) are loss targets: ``[..., T]`` booleans."""
+    return windows[..., 1:] >= 0
+
+
 def loss_tokens(windows: np.ndarray) -> int:
-    """How many labels of windows (``[..., T + 1]``, as :class:`PackedWindows` gives them) are
-    loss targets."""
-    return int(np.count_nonzero(windows[..., 1:] >= 0))
+    """How many labels of windows are loss targets."""
+    return int(np.count_nonzero(targets(windows)))
 
 
 class PackedWindows:
@@ -100,9 +105,11 @@ class TrainOrder:
             ids[i] = self._permutation(epoch)[j]
         return ids
 
-    def take(self, position: int, count: int) -> np.ndarray:
-        """The ``count`` windows starting at sequence ``position``, as int32 ``[count, T + 1]``."""
-        return self.windows.gather(self.window_ids(np.arange(position, position + count)))
+    def take(self, position: int, count: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """The ``count`` windows starting at sequence ``position``, as int32 ``[count, T + 1]``;
+        with ``rows`` (indices into those ``count``) only those windows, ``[len(rows), T + 1]``."""
+        positions = np.arange(position, position + count)
+        return self.windows.gather(self.window_ids(positions if rows is None else positions[rows]))
 
 
 def mixture_counts(weights: Sequence[float], block: int = MIXTURE_BLOCK) -> np.ndarray:
@@ -152,11 +159,14 @@ class MixtureOrder:
             src[i], reads[i] = layout[0][j], layout[1][j]
         return src, reads
 
-    def take(self, position: int, count: int) -> np.ndarray:
-        """The ``count`` windows starting at sequence ``position``, as int32 ``[count, T + 1]``."""
+    def take(self, position: int, count: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """The ``count`` windows starting at sequence ``position``, as int32 ``[count, T + 1]``;
+        with ``rows`` (indices into those ``count``) only those windows, ``[len(rows), T + 1]``."""
         src, reads = self.sources(position, count)
+        if rows is not None:
+            src, reads = src[rows], reads[rows]
         seq_len = self.orders[0].windows.seq_len
-        out = np.empty((count, seq_len + 1), dtype=np.int32)
+        out = np.empty((len(src), seq_len + 1), dtype=np.int32)
         for s, order in enumerate(self.orders):
             mine = src == s
             if mine.any():
@@ -187,8 +197,9 @@ class InterleavedWindows:
         return out
 
 
-def validation_batches(windows: PackedWindows, batch_size: int, num_batches: int) -> Iterator:
-    """The first ``num_batches`` full batches of validation windows, in corpus order."""
+def validation_window_ids(windows: PackedWindows, batch_size: int, num_batches: int) -> Iterator:
+    """The window ids of the first ``num_batches`` full batches of validation windows, in corpus
+    order (``windows.gather`` reads them)."""
     available = windows.num_windows // batch_size
     if available < 1:
         raise ValueError(
@@ -196,4 +207,4 @@ def validation_batches(windows: PackedWindows, batch_size: int, num_batches: int
             f"{batch_size}; raise val_fraction or lower batch_size"
         )
     for b in range(min(num_batches, available)):
-        yield windows.gather(np.arange(b * batch_size, (b + 1) * batch_size))
+        yield np.arange(b * batch_size, (b + 1) * batch_size)
