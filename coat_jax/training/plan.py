@@ -24,6 +24,7 @@ from coat_jax.quant import state_bytes
 from coat_jax.runs import resolve_init_from
 from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
+from coat_jax.training.data import planned_data_flags
 from coat_jax.training.model import next_token_loss
 from coat_jax.training.program import build_program
 
@@ -79,7 +80,8 @@ def plan_memory(
     for b in batch_sizes or ():
         if not isinstance(b, int) or b <= 0:
             raise ValueError(f"batch sizes must be positive integers, got {b!r}")
-    program = build_program(cfg, _llama_config(cfg))
+    chat, within = planned_data_flags(cfg)
+    program = build_program(cfg, _llama_config(cfg), loss_mask=chat, within_documents=within)
     params, opt_state = program.abstract_params, program.abstract_opt_state
     params_bytes, opt_bytes = state_bytes(params), state_bytes(opt_state)
     limit = device_limit()
@@ -178,6 +180,7 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
         divisors = [b for b in range(ways, total + 1, ways) if total % b == 0]
         candidate = lambda k: divisors[k - 1] if k <= len(divisors) else None
     llama_cfg = _llama_config(cfg)
+    chat, within = planned_data_flags(cfg)
     seen: dict[int, _Fit] = {}
 
     def row(k: int) -> _Fit:
@@ -190,7 +193,8 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
                 batch_size=batch,
                 grad_accum=cfg.grad_accum if total is None else total // batch,
             )
-            seen[k] = _Fit(compiled_peak(build_program(trial, llama_cfg), batch) <= limit)
+            program = build_program(trial, llama_cfg, loss_mask=chat, within_documents=within)
+            seen[k] = _Fit(compiled_peak(program, batch) <= limit)
         return seen[k]
 
     k = _largest_fitting(row, 1, max_compiles)

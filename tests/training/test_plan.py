@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -65,3 +66,30 @@ def test_train_py_plan_prints_a_table():
 def test_bad_batch_sizes_are_refused(batch):
     with pytest.raises(ValueError, match="batch sizes must be positive"):
         plan_mod.plan_memory(_cfg(), [batch])
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_plan_compiles_the_step_that_the_data_needs(tmp_path, monkeypatch, chat):
+    # Chat data: a loss mask, and attention within documents (its default for chats); the plan
+    # must compile that step, not the plain-text one.
+    record = (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+        if chat
+        else {"text": "plain text"}
+    )
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    built = {}
+
+    def build_program(cfg, llama_cfg, **flags):
+        built.update(flags)
+        raise _Built
+
+    monkeypatch.setattr(plan_mod, "build_program", build_program)
+    with pytest.raises(_Built):
+        plan_mod.plan_memory(_cfg(f"data_path={data}"), [2])
+    assert built == {"loss_mask": chat, "within_documents": chat}

@@ -23,6 +23,7 @@ from coat_jax.training.data.settings import (
     DEFAULT_DATA_PATH,
     check_data_keys,
     data_sources,
+    planned_data_flags,
     within_documents,
 )
 from coat_jax.training.data.sources import (
@@ -59,5 +60,6 @@ __all__ = [
     "tokenize_to_cache",
     "targets",
     "validation_window_ids",
+    "planned_data_flags",
     "within_documents",
 ]

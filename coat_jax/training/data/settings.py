@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coat_jax.training.data.cache import split_names
-from coat_jax.training.data.sources import DataSource
+from coat_jax.training.data.sources import DataSource, read_source
 
 DEFAULT_DATA_PATH = "data/public_domain_en.tar.xz"
 
@@ -52,3 +52,15 @@ def data_sources(cfg) -> tuple[DataSource, ...]:
     if cfg.sources is None:
         return (DataSource(cfg.data_path),)
     return cfg.sources
+
+
+def planned_data_flags(cfg) -> tuple[bool, bool]:
+    """``(chat, within_documents)`` of the run's data as the planner sees it, without
+    tokenizing: a source holds chats when its first document is one. The run itself decides
+    from every document as it tokenizes (a source whose first document is plain text and a later
+    one a chat is planned as plain text)."""
+    chat = any(
+        not isinstance(next(read_source(s.path, s.text_field or cfg.text_field))[1], str)
+        for s in data_sources(cfg)
+    )
+    return chat, within_documents(cfg, chat)
