@@ -146,13 +146,13 @@ def test_trainer_key_parses_checks_and_reaches_the_model():
         ("swiglu=fast", "unknown implementation 'fast'"),
     ]:
         with pytest.raises(ValueError, match=match):
-            load_config(None, ["precision=coat", f"fp8_op_kernels={bad}"])
-    with pytest.raises(ValueError, match="precision=bf16 has none"):
-        load_config(None, ["precision=bf16", "fp8_op_kernels=swiglu=xla"])
+            load_config(None, ["precision.mode=coat", f"fp8_op_kernels={bad}"])
+    with pytest.raises(ValueError, match="precision.mode=bf16 has none"):
+        load_config(None, ["precision.mode=bf16", "fp8_op_kernels=swiglu=xla"])
 
     cfg = load_config(
         None,
-        ["precision=coat", "fp8_kernels=xla", "fp8_op_kernels=quantize_per_tensor=pallas"],
+        ["precision.mode=coat", "kernels.fp8_ops=xla", "fp8_op_kernels=quantize_per_tensor=pallas"],
     )
     tiny = LlamaConfig(
         vocab_size=64,
@@ -169,7 +169,7 @@ def test_trainer_key_takes_a_yaml_mapping(tmp_path):
     """In a YAML file ``fp8_op_kernels`` may be a mapping; it is stored as the text form and
     checked like it. An empty mapping or non-string names are refused, naming the fix."""
     path = tmp_path / "run.yaml"
-    path.write_text("precision: coat\nfp8_op_kernels:\n  swiglu: pallas\n  rmsnorm: xla\n")
+    path.write_text("precision.mode: coat\nfp8_op_kernels:\n  swiglu: pallas\n  rmsnorm: xla\n")
     cfg = load_config(path)
     assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla"
     assert parse_op_kernels(cfg.fp8_op_kernels) == (("swiglu", "pallas"), ("rmsnorm", "xla"))
@@ -179,30 +179,30 @@ def test_trainer_key_takes_a_yaml_mapping(tmp_path):
         ("fp8_op_kernels: {}\n", "must name at least one op"),
         ("fp8_op_kernels: {swiglu: 1}\n", "must name at least one op"),
     ]:
-        path.write_text("precision: coat\n" + body)
+        path.write_text("precision.mode: coat\n" + body)
         with pytest.raises(ValueError, match=match):
             load_config(path)
 
 
 def test_one_ops_override_merges_into_the_text_form(tmp_path):
-    """``fp8_op_kernels.OP=IMPL`` on the command line over a file that sets the key as text
+    """``kernels.OP=IMPL`` on the command line over a file that sets the key as text
     replaces or adds that op and keeps the file's others (as it does over a YAML mapping); so
     does a file's mapping over its ``base:`` file's text."""
     path = tmp_path / "run.yaml"
-    path.write_text("precision: coat\nfp8_op_kernels: swiglu=pallas;rmsnorm=xla\n")
-    cfg = load_config(path, ["fp8_op_kernels.swiglu=xla"])
+    path.write_text("precision.mode: coat\nfp8_op_kernels: swiglu=pallas;rmsnorm=xla\n")
+    cfg = load_config(path, ["kernels.swiglu=xla"])
     assert cfg.fp8_op_kernels == "swiglu=xla;rmsnorm=xla"
-    cfg = load_config(path, ["fp8_op_kernels.quantize_per_tensor=pallas"])
+    cfg = load_config(path, ["kernels.quantize_per_tensor=pallas"])
     assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla;quantize_per_tensor=pallas"
     # Earlier overrides in text form merge the same way.
-    cfg = load_config(None, ["fp8_op_kernels=swiglu=pallas", "fp8_op_kernels.rmsnorm=xla"])
+    cfg = load_config(None, ["fp8_op_kernels=swiglu=pallas", "kernels.rmsnorm=xla"])
     assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla"
     with pytest.raises(ValueError, match="unknown implementation 'fast'"):
-        load_config(path, ["fp8_op_kernels.swiglu=fast"])
+        load_config(path, ["kernels.swiglu=fast"])
     # A file's mapping over its base file's text form merges op by op too.
     child = tmp_path / "child.yaml"
     child.write_text("base: run.yaml\nfp8_op_kernels:\n  rmsnorm: pallas\n")
     assert load_config(child).fp8_op_kernels == "swiglu=pallas;rmsnorm=pallas"
-    path.write_text("precision: coat\nfp8_op_kernels: swiglu\n")
+    path.write_text("precision.mode: coat\nfp8_op_kernels: swiglu\n")
     with pytest.raises(ValueError, match="is not op=implementation"):
-        load_config(path, ["fp8_op_kernels.rmsnorm=xla"])
+        load_config(path, ["kernels.rmsnorm=xla"])

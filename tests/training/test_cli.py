@@ -38,7 +38,7 @@ def test_train_help_lists_every_key_and_print_config_resolves():
     assert (
         "model.hidden_size" in help_text and "int, 128: width of the residual stream" in help_text
     )
-    overrides = ["steps=7", "warmup_steps=1", "model.hidden_size=96", "mesh.fsdp=1"]
+    overrides = ["steps=7", "optimizer.warmup_steps=1", "model.hidden_size=96", "mesh.fsdp=1"]
     proc = subprocess.run(
         [sys.executable, "train.py", "--print-config", *overrides],
         cwd=REPO,

@@ -14,7 +14,7 @@ from tests.training.test_train import REPO, TINY
 
 def _cfg(*extra):
     return load_config(
-        REPO / "configs" / "default.yaml", [*TINY, "compilation_cache_dir=null", *extra]
+        REPO / "configs" / "default.yaml", [*TINY, "xla.compilation_cache_dir=null", *extra]
     )
 
 
@@ -43,7 +43,7 @@ def test_largest_batch_search_against_a_device_limit(monkeypatch):
 
 def test_train_py_plan_prints_a_table():
     out = subprocess.run(
-        [sys.executable, "train.py", "--plan", "2", *TINY, "compilation_cache_dir=null"],
+        [sys.executable, "train.py", "--plan", "2", *TINY, "xla.compilation_cache_dir=null"],
         cwd=REPO,
         capture_output=True,
         text=True,
