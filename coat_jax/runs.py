@@ -229,7 +229,7 @@ class TrainedRun:
     tokenizer_identity: str | None
 
 
-def _saved_settings(path: Path) -> dict:
+def saved_run_settings(path: Path) -> dict:
     """``tokenizer``, ``init_from`` and ``compute_dtype`` of a run's saved config: its sections
     (``data.tokenizer``, ``precision.compute_dtype``), or the flat keys a run of an earlier
     coat_jax saved."""
@@ -259,7 +259,7 @@ def read_run(run_dir: str | os.PathLike, *, step: int | None = None) -> TrainedR
             f"{str(run_dir)!r} is not a train.py run directory (it needs config.yaml and "
             "checkpoints/); give the output_dir of a run"
         )
-    settings = _saved_settings(run_dir / "config.yaml")
+    settings = saved_run_settings(run_dir / "config.yaml")
     params, meta = read_params(run_dir, step)
     model = meta["fingerprint"].get("model")
     if not isinstance(model, dict):

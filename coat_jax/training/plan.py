@@ -147,9 +147,9 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
     ``auto`` is the largest batch whose compiled step fits ``limit`` (default: the device's
     allocator limit, :func:`device_limit`), searched by doubling and bisection over multiples
     of the mesh's data x fsdp devices, each candidate compiled (never run) as the trainer
-    builds it, so that batch-dependent choices (``fp8_kernels``) follow the candidate. With
-    ``global_batch_size`` only its divisors are candidates, each with ``grad_accum =
-    global_batch_size / batch_size``.
+    builds it, so that batch-dependent choices (``kernels.fp8_ops`` unset) follow the
+    candidate. With ``global_batch_size`` only its divisors are candidates, each with
+    ``grad_accum = global_batch_size / batch_size``.
 
     Raises:
       ValueError: ``auto`` on a backend without a memory limit (the CPU), no batch fits, or a

@@ -206,12 +206,13 @@ def test_code_corpus_puts_each_file_whole_in_one_shard(tmp_path):
 def test_scratch_code_is_scratch_for_100m_tokens():
     spec = dict(o.split("=", 1) for o in accuracy.SETTINGS["scratch_code"]["overrides"])
     scratch = dict(o.split("=", 1) for o in accuracy.SETTINGS["scratch"]["overrides"])
-    assert int(spec["steps"]) * int(spec["batch_size"]) * int(spec["seq_len"]) >= 100_000_000
+    tokens = int(spec["steps"]) * int(spec["data.batch_size"]) * int(spec["data.seq_len"])
+    assert tokens >= 100_000_000
     assert {k: v for k, v in spec.items() if k.startswith("model.")} == {
         k: v for k, v in scratch.items() if k.startswith("model.")
     }
-    assert spec["data_path"] == accuracy.CODE_CORPUS
-    assert spec["val_documents"].split(",") == accuracy.CODE_HELD_OUT
+    assert spec["data.path"] == accuracy.CODE_CORPUS
+    assert spec["data.val_documents"].split(",") == accuracy.CODE_HELD_OUT
     keys = [o.split("=", 1)[0] for o in accuracy.SETTINGS["scratch_code"]["overrides"]]
     assert len(keys) == len(set(keys))  # no override given twice
 

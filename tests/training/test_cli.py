@@ -19,13 +19,13 @@ from tests.training.test_train import REPO
 def test_every_config_key_is_described_and_no_stale_descriptions():
     keys = config_keys()
     names = [k.name for k in keys]
-    assert {"steps", "model.hidden_size", "mesh.fsdp", "optimizer"} <= set(names)
+    assert {"steps", "model.hidden_size", "mesh.fsdp", "optimizer.name"} <= set(names)
     assert [k.name for k in keys if k.meaning == NO_DESCRIPTION] == []
     assert sorted(set(DESCRIPTIONS) - set(names)) == []
     by_name = {k.name: k for k in keys}
     assert (by_name["steps"].type, by_name["steps"].default) == ("int", 600)
-    assert by_name["precision"].type == "bf16|fp8|coat"
-    assert by_name["grad_clip"].type == "float or null"
+    assert by_name["precision.mode"].type == "bf16|fp8|coat"
+    assert by_name["optimizer.grad_clip"].type == "float or null"
 
 
 def test_train_help_lists_every_key_and_print_config_resolves():

@@ -16,6 +16,7 @@ from coat_jax import recipes
 from coat_jax.training import plan, train
 from coat_jax.training.cli import annotated_config, config_help, config_sources
 from coat_jax.training.config import load_config, to_dict
+from coat_jax.training.config_names import field_of
 from coat_jax.training.metrics import MetricsLog, WandbWriter
 from coat_jax.training.program import build_program
 from tests.tiny_runs import tiny_run
@@ -34,7 +35,7 @@ def test_each_recipe_resolves_to_its_documented_settings():
     for name in recipes.RECIPES:
         cfg = load_config(DEFAULT, [f"recipe={name}"])
         for key, value in recipes.settings(name).items():
-            assert getattr(cfg, key) == value, (name, key)
+            assert getattr(cfg, field_of(key)) == value, (name, key)
         doc = recipes.RECIPES[name].__doc__
         pages = re.findall(r"docs/\w+\.md", doc)
         assert pages and all((REPO / p).is_file() for p in pages), (name, pages)
@@ -54,16 +55,17 @@ def test_explicit_keys_override_a_recipe_and_print_config_names_each_source(tmp_
     assert (cfg.fp8_swiglu, cfg.fp8_group_scale, cfg.steps) == ("coat", "float32", 7)
     assert cfg.optimizer_in_backward and cfg.grad_clip is None  # the recipe's
     sources = config_sources(cfg, config, overrides)
-    assert sources["fp8_swiglu"] == sources["seq_len"] == f"file {config}"
-    assert sources["steps"] == sources["fp8_group_scale"] == "command line"
-    assert sources["optimizer_in_backward"] == "recipe coat_max_batch"
+    assert sources["precision.fp8_swiglu"] == sources["data.seq_len"] == f"file {config}"
+    assert sources["steps"] == sources["precision.fp8_group_scale"] == "command line"
+    assert sources["optimizer.in_backward"] == "recipe coat_max_batch"
     assert sources["reschedule"] == "default" and sources["model.hidden_size"] == f"file {config}"
     printed = annotated_config(cfg, sources)
     assert yaml.safe_load(printed) == to_dict(cfg)
     assert "fp8_swiglu: coat" in printed and "# recipe coat_max_batch" in printed
     # A key that contradicts the recipe is refused in one line that names what the recipe set.
     with pytest.raises(
-        ValueError, match=r"data.grad_accum=1 .*\(recipe coat_max_batch sets .*optimizer_in"
+        ValueError,
+        match=r"data.grad_accum=1 .*\(recipe coat_max_batch sets .*optimizer.in_backward",
     ):
         load_config(DEFAULT, ["recipe=coat_max_batch", "data.grad_accum=2"])
 
@@ -120,7 +122,7 @@ def test_recipe_run_with_profile_and_short_warmup(tmp_path):
     assert list((tmp_path / "profile").rglob("*.xplane.pb")), "no trace written"
     assert any("profile of steps 2 to 3" in s for s in said)
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert written["recipe"] == "coat_max_batch" and written["profile_steps"] == [2, 3]
+    assert written["recipe"] == "coat_max_batch" and written["logging"]["profile_steps"] == [2, 3]
 
 
 def test_unknown_key_gets_close_matches_and_the_help():

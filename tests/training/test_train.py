@@ -111,7 +111,7 @@ def test_base_inheritance_and_overrides(tmp_path):
         ("model.hidden=8", r"unknown config key\(s\) model.hidden; did you mean model.hidden_size"),
         (
             "precision.mode=fp16",
-            r"precision='fp16' is not valid; choose one of \['bf16', 'fp8', 'coat'\]",
+            r"precision.mode='fp16' is not valid; choose one of \['bf16', 'fp8', 'coat'\]",
         ),
         ("optimizer.name=rmsprop", r"choose one of \['adamw', 'coat_adamw', 'lion'"),
         ("steps=1.5", r"steps=1.5 is not valid; expected int"),
@@ -130,13 +130,15 @@ def test_bad_config_is_a_clear_error(override, message):
         load_config(REPO / "configs" / "default.yaml", [override])
 
 
-def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
+def test_kernels_fp8_ops_without_fp8_ops_is_a_clear_error():
     with pytest.raises(ValueError, match="precision.mode=bf16 has none"):
         load_config(
             REPO / "configs" / "default.yaml", ["precision.mode=bf16", "kernels.fp8_ops=xla"]
         )
-    with pytest.raises(ValueError, match="fp8_kernels"):
+    with pytest.raises(ValueError, match="kernels.fp8_ops='interpret' is not valid"):
         load_config(REPO / "configs" / "default.yaml", ["kernels.fp8_ops=interpret"])
+    with pytest.raises(ValueError, match="^`fp8_kernels` is now `kernels.fp8_ops`"):
+        load_config(REPO / "configs" / "default.yaml", ["fp8_kernels=xla"])
 
 
 @pytest.mark.parametrize(
@@ -149,12 +151,13 @@ def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
         (["kernels=pallas"], "pallas", "pallas"),
         (["kernels=xla"], "xla", "xla"),
         (["kernels=pallas", "kernels.fp8_ops=xla"], "xla", "pallas"),
+        (["kernels.optimizer=xla"], "xla", "xla"),
     ],
 )
 def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
-    """Unset, ``fp8_kernels`` sends the FP8 activation ops of the default config (a narrow
-    model, few tokens) to XLA's fusions under ``kernels: auto`` and follows ``kernels`` otherwise;
-    the optimizer's kernels follow ``kernels`` alone. The model the trainer builds carries it."""
+    """Unset, ``kernels.fp8_ops`` sends the FP8 activation ops of the default config (a narrow
+    model, few tokens) to XLA's fusions under ``kernels: auto``; a name other than ``auto`` sets
+    both parts; ``kernels.optimizer`` picks the optimizer's kernels alone. The model the trainer builds carries it."""
     from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import kernel_options
 
@@ -206,7 +209,7 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
     """Unset under ``kernels: auto``, the FP8 ops take the Pallas kernels (``auto``) for a model
     at least FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS tokens per device,
     XLA's fusions otherwise; devices sharing the batch divide the tokens; a set
-    ``fp8_kernels`` or another ``kernels`` wins."""
+    ``kernels.fp8_ops`` or another ``kernels`` wins."""
     from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import (
         FP8_PALLAS_MIN_HIDDEN,
@@ -232,7 +235,9 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
     assert fp8_ops_auto(dataclasses.replace(base, batch_size=2 * at), devices=2) == "auto"
     assert kernel_options(big, fp8_ops=True)["implementation"] == "auto"
     assert kernel_options(big, fp8_ops=True, devices=2)["implementation"] == "xla"
-    assert kernel_options(dataclasses.replace(big, fp8_kernels="xla"), fp8_ops=True) == {
+    assert kernel_options(
+        dataclasses.replace(big, kernels=(("fp8_ops", "xla"),)), fp8_ops=True
+    ) == {
         "implementation": "xla",
         "interpret": False,
     }
