@@ -143,7 +143,7 @@ def test_trainer_key_checks_and_reaches_the_model():
         ("kernels.attention=xla", "kernels.attention is not a part; the parts are"),
         ("kernels.swiglu=fast", "kernels.swiglu='fast' is not valid; choose one of"),
         ("kernels=fast", "kernels='fast' is not valid"),
-        ("fp8_op_kernels.swiglu=xla", "`fp8_op_kernels` is now `kernels.OP`"),
+        ("fp8_op_kernels.swiglu=xla", "`fp8_op_kernels` is now `kernels.OP`"),  # old flat key
     ]:
         with pytest.raises(ValueError, match=match):
             load_config(None, ["precision.mode=coat", bad])

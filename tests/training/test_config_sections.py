@@ -107,7 +107,8 @@ def test_a_saved_config_of_either_layout_names_tokenizer_and_init_from(tmp_path)
         "init_from": "x",
         "compute_dtype": "bfloat16",
     }
-    path.write_text("tokenizer: byte\ninit_from: null\ncompute_dtype: float32\nsteps: 3\n")
+    old = "tokenizer: byte\ninit_from: null\ncompute_dtype: float32\nsteps: 3\n"  # old flat key
+    path.write_text(old)
     got = saved_run_settings(path)
     assert (got["tokenizer"], got["init_from"], got["compute_dtype"]) == ("byte", None, "float32")
     path.write_text("steps: 5\n")

@@ -138,7 +138,7 @@ def test_kernels_fp8_ops_without_fp8_ops_is_a_clear_error():
     with pytest.raises(ValueError, match="kernels.fp8_ops='interpret' is not valid"):
         load_config(REPO / "configs" / "default.yaml", ["kernels.fp8_ops=interpret"])
     with pytest.raises(ValueError, match="^`fp8_kernels` is now `kernels.fp8_ops`"):
-        load_config(REPO / "configs" / "default.yaml", ["fp8_kernels=xla"])
+        load_config(REPO / "configs" / "default.yaml", ["fp8_kernels=xla"])  # old flat key
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,8 @@ def test_kernels_fp8_ops_without_fp8_ops_is_a_clear_error():
 def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
     """Unset, ``kernels.fp8_ops`` sends the FP8 activation ops of the default config (a narrow
     model, few tokens) to XLA's fusions under ``kernels: auto``; a name other than ``auto`` sets
-    both parts; ``kernels.optimizer`` picks the optimizer's kernels alone. The model the trainer builds carries it."""
+    both parts; ``kernels.optimizer`` picks the optimizer's kernels alone. The model the trainer
+    builds carries it."""
     from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import kernel_options
 
