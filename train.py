@@ -4,11 +4,12 @@
   python train.py --config configs/smollm2_135m_finetune.yaml steps=200 output_dir=runs/smol
   python train.py output_dir=runs/default resume=true    # continue from the latest checkpoint
   python train.py steps=50 --print-config                # show the resolved config, run nothing
-  python train.py --config configs/llama2_7b.yaml recipe=coat_max_batch batch_size=auto
+  python train.py --config configs/llama2_7b.yaml recipe=coat_max_batch data.batch_size=auto
 
-Every key below can be set in the YAML file or as key=value (section.key=value for model.* and
-mesh.*). Ctrl-C or SIGTERM saves a checkpoint and stops. An error is one line on stderr (and in
-<output_dir>/train.log), with exit code 2 for bad input, 3 for a diverged run. Afterwards:
+Every key below can be set in the YAML file (in its section) or as key=value (section.key=value
+for a sectioned key, e.g. precision.fp8_attention=true). Ctrl-C or SIGTERM saves a checkpoint
+and stops. An error is one line on stderr (and in <output_dir>/train.log), with exit code 2 for
+bad input, 3 for a diverged run. Afterwards:
   python -m coat_jax.generate runs/default "It is a truth"      # sample from the run
   python -m coat_jax.convert run-to-hf runs/default runs/hf     # export for transformers
 """

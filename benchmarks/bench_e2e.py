@@ -78,7 +78,7 @@ def parse_settings(text: str) -> list[tuple[str, str, str, str]]:
     """``"coat:scan:activations,bf16:unrolled:none"`` -> [(mode, layout, remat, extra), ...].
 
     An optional fourth part holds more config overrides joined by ``+``, e.g.
-    ``coat:scan:activations:master_dtype=bfloat16+loss_chunk_size=1024``.
+    ``coat:scan:activations:precision.master_dtype=bfloat16+memory.loss_chunk_size=1024``.
     """
     from coat_jax.llama import REMAT_POLICIES
 
@@ -122,20 +122,20 @@ def trainer_config(
     from coat_jax.training import load_config
 
     overrides = [
-        f"precision={mode}",
-        f"optimizer={OPTIMIZER[mode]}",
-        f"scan_layers={'true' if layout == 'scan' else 'false'}",
-        f"remat={remat}",
-        f"seq_len={seq}",
-        f"batch_size={batch}",
-        "grad_accum=1",
+        f"precision.mode={mode}",
+        f"optimizer.name={OPTIMIZER[mode]}",
+        f"memory.scan_layers={'true' if layout == 'scan' else 'false'}",
+        f"memory.remat={remat}",
+        f"data.seq_len={seq}",
+        f"data.batch_size={batch}",
+        "data.grad_accum=1",
         "mesh.data=1",
         "mesh.fsdp=1",
-        "compilation_cache_dir=null",
+        "xla.compilation_cache_dir=null",
         *(kv for kv in extra.split("+") if kv),
     ]
     if tiny:
-        overrides += TINY_MODEL + ["compute_dtype=bfloat16"]
+        overrides += TINY_MODEL + ["precision.compute_dtype=bfloat16"]
     return load_config(CONFIG_TINY if tiny else config, overrides)
 
 
@@ -432,7 +432,7 @@ def first_step(args, jsonl: str, overrides: list[str]) -> None:
         "--config",
         config,
         f"output_dir={out}",
-        "progress_bar=false",
+        "logging.progress_bar=false",
         *overrides,
     ]
     print(f"[first-step] {' '.join(cmd)}", flush=True)
@@ -529,9 +529,9 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
             f"Sequence length {env['seq']}. Every number comes from `train.py`'s own step: "
             f"`{config}` loaded by `coat_jax.training.load_config`, the step built "
             "by `coat_jax.training.program.build_program` (forward, backward, the config's gradient "
-            "clipping unless a setting sets `grad_clip=null`, "
+            "clipping unless a setting sets `optimizer.grad_clip=null`, "
             "optimizer with the config's schedule; parameters and optimizer state donated; "
-            "float32 master weights unless a setting sets `master_dtype=bfloat16`; bfloat16 "
+            "float32 master weights unless a setting sets `precision.master_dtype=bfloat16`; bfloat16 "
             "activations), each setting in its own process. "
             "A setting is precision:layer layout:remat policy (`scan_layers`, `remat`). "
             "Tokens/s is batch x sequence over the median step: timed with the host waiting "
@@ -565,7 +565,7 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
     if any(best[False]["mem"].values()):
         lines += [
             "Each mode at its best setting (ratios against BF16's best; settings with extra "
-            "options such as `master_dtype=bfloat16` are in the second column of COAT):",
+            "options such as `precision.master_dtype=bfloat16` are in the second column of COAT):",
             "",
             "| | BF16 | FP8 linears | COAT | COAT / BF16 | COAT with options | with options / BF16 |",
             "|---|---|---|---|---|---|---|",

@@ -551,17 +551,17 @@ def worker(args) -> None:
     # The trainer's own model with one decoder layer and the mode's optimizer: what train.py
     # runs, layer by layer.
     overrides = [
-        f"precision={mode}",
-        f"optimizer={MODE_OPTIMIZERS[mode]}",
-        f"scan_layers={str(args.scan).lower()}",
-        f"remat={args.remat}",
-        f"fp8_weight_residual={weight_residual}",
-        f"seq_len={seq}",
+        f"precision.mode={mode}",
+        f"optimizer.name={MODE_OPTIMIZERS[mode]}",
+        f"memory.scan_layers={str(args.scan).lower()}",
+        f"memory.remat={args.remat}",
+        f"precision.fp8_weight_residual={weight_residual}",
+        f"data.seq_len={seq}",
         "mesh.data=1",
         "mesh.fsdp=1",
-        "compilation_cache_dir=null",
+        "xla.compilation_cache_dir=null",
         *(f"model.{k}={v}" for k, v in layer_overrides(args.tiny).items()),
-        *([f"fp8_kernels={fp8_kernels}"] if fp8_kernels != "default" else []),
+        *([f"kernels.fp8_ops={fp8_kernels}"] if fp8_kernels != "default" else []),
         *args.set_all,
         *(args.set if mode != "bf16" else []),
     ]
@@ -892,7 +892,7 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
             f"at {clip} by the layer's gradient norm). U = batch x seq x "
             "hidden x 2 bytes; activations are the `jax.vjp` residuals that depend on the "
             "input (on the GPU attention is cuDNN's, which also keeps its output and "
-            "log-sum-exp). Mode `coat/fp8` is `coat` with `fp8_weight_residual=fp8` (forward's "
+            "log-sum-exp). Mode `coat/fp8` is `coat` with `precision.fp8_weight_residual=fp8` (forward's "
             "FP8 weight codes kept for backward, their bytes in `weight codes kept`), "
             "`coat/master` re-quantizes the float32 weights in backward, `coat/once` "
             "quantizes each weight once per step (the trainer's default); a third part says "
@@ -1033,7 +1033,7 @@ def main(argv=None) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a trainer config override for the fp8 and coat modes (repeatable; their variant "
-        "names show it), e.g. --set fp8_swiglu=fused",
+        "names show it), e.g. --set precision.fp8_swiglu=fused",
     )
     p.add_argument(
         "--set-all",
@@ -1041,7 +1041,7 @@ def main(argv=None) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a trainer config override for every mode, bf16 included (repeatable; kept in the "
-        "records as set_all), e.g. --set-all xla_excess_precision=false",
+        "records as set_all), e.g. --set-all xla.excess_precision=false",
     )
     p.add_argument("--child-timeout-s", type=float, default=240.0)
     p.add_argument("--out-dir", default="runs/bench_layer")

@@ -1,7 +1,7 @@
 """Final validation loss of the default tiny Llama with each optimizer, float32 vs FP8 state.
 
 Trains what ``python train.py`` trains (configs/default.yaml: the tiny Llama in COAT mode on the
-bundled corpus) once per optimizer with ``fp8_state=false`` and once with ``fp8_state=true``,
+bundled corpus) once per optimizer with ``optimizer.fp8_state=false`` and once with ``optimizer.fp8_state=true``,
 through the trainer's Python API, and prints a Markdown table (and writes it, with the raw
 numbers, under ``--out``). docs/fp8_state.md holds a measured table.
 
@@ -48,16 +48,16 @@ def run(optimizer: str, fp8: bool, *, steps: int, lr: float, out: Path, extra) -
     cfg = load_config(
         REPO / "configs" / "default.yaml",
         [
-            f"optimizer={optimizer}",
-            f"fp8_state={str(fp8).lower()}",
-            f"learning_rate={lr}",
+            f"optimizer.name={optimizer}",
+            f"optimizer.fp8_state={str(fp8).lower()}",
+            f"optimizer.learning_rate={lr}",
             f"steps={steps}",
-            f"warmup_steps={min(50, steps // 10)}",
+            f"optimizer.warmup_steps={min(50, steps // 10)}",
             f"output_dir={out / name}",
-            f"eval_every={steps + 1}",
-            f"checkpoint_every={steps + 1}",
-            "keep_checkpoints=1",
-            "progress_bar=false",
+            f"eval.every={steps + 1}",
+            f"checkpoint.every={steps + 1}",
+            "checkpoint.keep=1",
+            "logging.progress_bar=false",
             *extra,
         ],
     )
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         for fp8 in (False, True):
             row = run(opt, fp8, steps=args.steps, lr=lrs[opt], out=out, extra=args.overrides)
             if not math.isfinite(row["val_loss"]):
-                raise FloatingPointError(f"{opt} fp8_state={fp8}: validation loss {row}")
+                raise FloatingPointError(f"{opt} optimizer.fp8_state={fp8}: validation loss {row}")
             print(json.dumps(row), flush=True)
             rows.append(row)
     (out / "results.json").write_text(json.dumps(rows, indent=1))

@@ -116,7 +116,8 @@ def _e2e_rows() -> list[Row]:
     peak = lambda r: r.get("peak_bytes_in_use")
     rel_oib, rel_bf16 = "e2e_in_backward/e2e.jsonl", "e2e/e2e.jsonl"
     oib = _runs(
-        _records(rel_oib), "coat:scan:activations:optimizer_in_backward=true+grad_clip=null"
+        _records(rel_oib),
+        "coat:scan:activations:optimizer.in_backward=true+optimizer.grad_clip=null",
     )
     coat_b1 = next(r for r in oib if r["batch"] == 1)
     bf16_b1 = _best_bf16(_records(rel_bf16), peak, batch=1, low=True)
@@ -125,9 +126,9 @@ def _e2e_rows() -> list[Row]:
     coat_big = max(
         _runs(
             big,
-            "coat:scan:activations:optimizer_in_backward=true+grad_clip=null+fp8_attention=true"
-            "+loss_chunk_size=2048+fp8_group_scale=e8m0+fp8_weight_residual=master"
-            "+fp8_swiglu=fused",
+            "coat:scan:activations:optimizer.in_backward=true+optimizer.grad_clip=null+precision.fp8_attention=true"
+            "+memory.loss_chunk_size=2048+precision.fp8_group_scale=e8m0+precision.fp8_weight_residual=master"
+            "+precision.fp8_swiglu=fused",
         ),
         key=lambda r: r["tokens_per_s"],
     )
@@ -135,7 +136,9 @@ def _e2e_rows() -> list[Row]:
     rel_b1 = "excess_precision/7b_b1.jsonl"
     b1 = _records(rel_b1)
     pipelined = lambda r: r.get("tokens_per_s_pipelined")
-    coat_1 = _runs(b1, "coat:unrolled:none:fp8_swiglu=fused+xla_excess_precision=false")[0]
+    coat_1 = _runs(b1, "coat:unrolled:none:precision.fp8_swiglu=fused+xla.excess_precision=false")[
+        0
+    ]
     bf16_1 = _best_bf16(b1, pipelined, batch=1)
     return [
         Row(
@@ -238,7 +241,7 @@ def history(link: Callable[[str], str]) -> str:
             config = m.get("setup", {}).get("config")
             if config not in (None, "configs/llama2_7b.yaml") or "model." in setting:
                 continue  # another model
-            if "fp8_attention_backward=saved_output" in setting:
+            if "precision.fp8_attention_backward=saved_output" in setting:
                 continue  # an option with an accuracy cost (bench_attention_backward.md)
             for run in m["runs"].values():
                 mode = m["rec"]["mode"]

@@ -13,11 +13,11 @@
 #      and the row-wise settings named by ROW_SETTINGS, fwd+bwd and the layer step with the
 #      optimizer, plus each one's time split.
 # ROW_SETTINGS (space-separated) picks the row-wise runs, default "row_pallas row_gw_hp_pallas":
-#   row_xla           fp8_linear_scaling=row, producers fused with their linears, the
+#   row_xla           precision.fp8_linear_scaling=row, producers fused with their linears, the
 #                     producers as XLA's fusions of the jnp references (the trainer's default);
 #   row_pallas        the same with the producers' Pallas kernels (fp8_op_kernels
 #                     rmsnorm_rowwise=pallas, swiglu_rowwise=pallas);
-#   row_gw_hp_pallas  fp8_linear_scaling=row_gw_hp with the producers' Pallas kernels.
+#   row_gw_hp_pallas  precision.fp8_linear_scaling=row_gw_hp with the producers' Pallas kernels.
 # The whole Llama-2-7B step (bench_e2e.py) is not run: BF16 with optax's float32 AdamW needs
 # about 104 GiB for weights, gradients and moments, more than an 80 GiB card holds.
 # COAT runs the FP8 options of its largest-batch setting that apply to one layer (FP8
@@ -75,18 +75,18 @@ HLO=$(mktemp -d)
 run_step 90 python3 benchmarks/rowwise_hlo.py --out "$HLO" "${HLO_SIZE[@]}"
 tar -C "$HLO" -czf "$OUT/hlo.tar.gz" .
 
-COAT=(--set fp8_attention=true --set fp8_group_scale=e8m0 --set fp8_swiglu=fused
-  --set grad_clip=null)
-PALLAS_PRODUCERS=(--set fp8_op_kernels.rmsnorm_rowwise=pallas
-  --set fp8_op_kernels.swiglu_rowwise=pallas)
+COAT=(--set precision.fp8_attention=true --set precision.fp8_group_scale=e8m0 --set precision.fp8_swiglu=fused
+  --set optimizer.grad_clip=null)
+PALLAS_PRODUCERS=(--set kernels.rmsnorm_rowwise=pallas
+  --set kernels.swiglu_rowwise=pallas)
 LAYER=(python3 benchmarks/bench_layer.py --batches 8 --reps 10 --warmup 2 --profile-reps 2
   --no-child-logs --weight-residual master --out-dir "$OUT/layer" "${TINY[@]}")
 run_step 85 "${LAYER[@]}" --child-timeout-s 80 --modes coat "${COAT[@]}"
 for setting in $ROW_SETTINGS; do
   case $setting in
-    row_xla) extra=(--set fp8_linear_scaling=row) ;;
-    row_pallas) extra=(--set fp8_linear_scaling=row "${PALLAS_PRODUCERS[@]}") ;;
-    row_gw_hp_pallas) extra=(--set fp8_linear_scaling=row_gw_hp "${PALLAS_PRODUCERS[@]}") ;;
+    row_xla) extra=(--set precision.fp8_linear_scaling=row) ;;
+    row_pallas) extra=(--set precision.fp8_linear_scaling=row "${PALLAS_PRODUCERS[@]}") ;;
+    row_gw_hp_pallas) extra=(--set precision.fp8_linear_scaling=row_gw_hp "${PALLAS_PRODUCERS[@]}") ;;
     *)
       echo "== unknown ROW_SETTINGS entry $setting (row_xla, row_pallas, row_gw_hp_pallas)" >>"$LOG"
       continue

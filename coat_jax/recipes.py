@@ -1,19 +1,19 @@
 """Recipes: named, tested sets of training settings, one per measured best.
 
-A recipe is a mapping of :class:`coat_jax.training.TrainConfig` keys to values: precision,
-optimizer and the memory options. ``recipe: NAME`` in a config file (or ``recipe=NAME`` on
-``train.py``'s command line) starts from it; every key the config sets itself wins over the
-recipe's (defaults < recipe < config files < command line; ``train.py --print-config`` shows
-where each value came from). Recipes name no kernel choice: ``kernels: auto`` runs the Pallas
-kernels on a GPU and their jnp references elsewhere, so every recipe runs on a CPU too, with the
-same numerics and none of the GPU's speed.
+A recipe is a mapping of the trainer's dotted config keys (``precision.mode``, ...) to values:
+precision, optimizer and the memory options. ``recipe: NAME`` in a config file (or ``recipe=NAME``
+on ``train.py``'s command line) starts from it; every key the config sets itself wins over the
+recipe's (defaults < recipe < config files < command line; ``train.py --print-config`` shows where
+each value came from). Recipes name no kernel choice: ``kernels: auto`` runs the Pallas kernels on a
+GPU and their jnp references elsewhere, so every recipe runs on a CPU too, with the same numerics
+and none of the GPU's speed.
 
 Each recipe's docstring says what it trades against ``bf16`` and names the docs page with its
 measurements; docs/recipes.md lists them side by side.
 
 Example:
   >>> from coat_jax import recipes
-  >>> recipes.settings("coat_max_batch")["fp8_swiglu"]
+  >>> recipes.settings("coat_max_batch")["precision.fp8_swiglu"]
   'fused'
   >>> sorted(recipes.RECIPES)
   ['bf16', 'coat', 'coat_bf16_masters', 'coat_max_batch', 'fp8']
@@ -34,17 +34,23 @@ def bf16() -> dict[str, Any]:
     optimizer state per parameter, BF16 activations kept for backward. Its fastest measured
     layout is unrolled layers without remat, which ``scan_layers`` and ``remat`` default to.
     """
-    return {"precision": "bf16", "optimizer": "adamw"}
+    return {"precision.mode": "bf16", "optimizer.name": "adamw"}
 
 
 def fp8() -> dict[str, Any]:
     """FP8 linear layers only (per-tensor E4M3 forward, E5M2 gradients), optax's AdamW.
 
     Trades: the linears' GEMMs run in FP8, the activations kept for backward and the optimizer
-    state stay as BF16's, so it saves no memory. Accuracy against ``bf16``: docs/accuracy.md
+    state stay as BF16's, so it saves no memory. Each weight is quantized once per step
+    (``precision.fp8_weight_residual: once``, faster than the option's default ``master`` for 1
+    byte per weight: docs/memory_options.md). Accuracy against ``bf16``: docs/accuracy.md
     (mode ``fp8``); speed: docs/bench_e2e.md.
     """
-    return {"precision": "fp8", "optimizer": "adamw"}
+    return {
+        "precision.mode": "fp8",
+        "precision.fp8_weight_residual": "once",
+        "optimizer.name": "adamw",
+    }
 
 
 def coat() -> dict[str, Any]:
@@ -53,11 +59,16 @@ def coat() -> dict[str, Any]:
     FP8 linears, the activations kept for backward in FP8 with 1x16 group scales, and
     ``coat_adamw``'s FP8 moments with dynamic-range expansion. Trades: speed at small batches
     (the quantization passes) for about half BF16's parameter and optimizer-state memory and
-    smaller activations, which buy larger batches and, there, more tokens/s. Accuracy:
+    smaller activations, which buy larger batches and, there, more tokens/s. Weights are
+    quantized once per step, as in :func:`fp8`. Accuracy:
     docs/accuracy.md (mode ``coat``); memory and speed: docs/bench_e2e.md,
     docs/bench_e2e_once.md.
     """
-    return {"precision": "coat", "optimizer": "coat_adamw"}
+    return {
+        "precision.mode": "coat",
+        "precision.fp8_weight_residual": "once",
+        "optimizer.name": "coat_adamw",
+    }
 
 
 def coat_max_batch() -> dict[str, Any]:
@@ -76,15 +87,15 @@ def coat_max_batch() -> dict[str, Any]:
     """
     return {
         **coat(),
-        "scan_layers": True,
-        "remat": "activations",
-        "optimizer_in_backward": True,
-        "grad_clip": None,
-        "fp8_attention": True,
-        "loss_chunk_size": 2048,
-        "fp8_group_scale": "e8m0",
-        "fp8_weight_residual": "master",
-        "fp8_swiglu": "fused",
+        "memory.scan_layers": True,
+        "memory.remat": "activations",
+        "optimizer.in_backward": True,
+        "optimizer.grad_clip": None,
+        "precision.fp8_attention": True,
+        "memory.loss_chunk_size": 2048,
+        "precision.fp8_group_scale": "e8m0",
+        "precision.fp8_weight_residual": "master",
+        "precision.fp8_swiglu": "fused",
     }
 
 
@@ -96,7 +107,7 @@ def coat_bf16_masters() -> dict[str, Any]:
     docs/bench_e2e.md; accuracy: docs/accuracy.md (mode ``coat_bf16m``: best validation loss
     inside BF16's seed range, two seeds).
     """
-    return {**coat(), "master_dtype": "bfloat16"}
+    return {**coat(), "precision.master_dtype": "bfloat16"}
 
 
 RECIPES: dict[str, Callable[[], dict[str, Any]]] = {

@@ -229,6 +229,23 @@ class TrainedRun:
     tokenizer_identity: str | None
 
 
+def saved_run_settings(path: Path) -> dict:
+    """``tokenizer``, ``init_from`` and ``compute_dtype`` of a run's saved config: its sections
+    (``data.tokenizer``, ``precision.compute_dtype``), or the flat keys a run of an earlier
+    coat_jax saved."""
+    saved = yaml.safe_load(path.read_text()) or {}
+    data, precision = saved.get("data"), saved.get("precision")
+    if isinstance(data, dict) and isinstance(precision, dict):
+        saved = {
+            "tokenizer": data.get("tokenizer"),
+            "init_from": saved.get("init_from"),
+            "compute_dtype": precision.get("compute_dtype", "bfloat16"),
+        }
+    if "tokenizer" not in saved or "init_from" not in saved or saved["tokenizer"] is None:
+        raise ValueError(f"{path} lacks tokenizer or init_from; it was not written by train.py")
+    return {"compute_dtype": "bfloat16", **saved}
+
+
 def read_run(run_dir: str | os.PathLike, *, step: int | None = None) -> TrainedRun:
     """Reads a run's newest (or `step`'s) checkpoint parameters and its settings.
 
@@ -242,12 +259,7 @@ def read_run(run_dir: str | os.PathLike, *, step: int | None = None) -> TrainedR
             f"{str(run_dir)!r} is not a train.py run directory (it needs config.yaml and "
             "checkpoints/); give the output_dir of a run"
         )
-    settings = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    missing = [k for k in ("tokenizer", "init_from") if k not in settings]
-    if missing:
-        raise ValueError(
-            f"{run_dir / 'config.yaml'} lacks {missing}; it was not written by train.py"
-        )
+    settings = saved_run_settings(run_dir / "config.yaml")
     params, meta = read_params(run_dir, step)
     model = meta["fingerprint"].get("model")
     if not isinstance(model, dict):
@@ -260,7 +272,7 @@ def read_run(run_dir: str | os.PathLike, *, step: int | None = None) -> TrainedR
         step=int(meta["step"]),
         config=LlamaConfig(**model),
         params=unstack_layers(params),
-        compute_dtype=str(settings.get("compute_dtype", "bfloat16")),
+        compute_dtype=str(settings["compute_dtype"]),
         tokenizer=str(settings["tokenizer"]),
         init_from=settings["init_from"],
         tokenizer_identity=meta["fingerprint"].get("tokenizer"),
@@ -273,7 +285,9 @@ def tokenizer_source(run: TrainedRun) -> str | None:
         return None
     spec = run.init_from if run.tokenizer == "init_from" else run.tokenizer
     if not spec:
-        raise ValueError(f"{run.run_dir}/config.yaml says tokenizer=init_from but has no init_from")
+        raise ValueError(
+            f"{run.run_dir}/config.yaml says data.tokenizer=init_from but has no init_from"
+        )
     try:
         return resolve_init_from(spec)
     except ValueError as e:
@@ -306,7 +320,7 @@ def run_tokenizer(run: TrainedRun):
 
 
 def run_model(run: TrainedRun, *, dtype=None, param_dtype=jnp.float32) -> Llama:
-    """The run's parameters as a `Llama` (unrolled layers, "bf16" precision: plain math).
+    """The run's parameters as a `Llama` (unrolled layers, "bf16" precision.mode: plain math).
 
     `dtype` is the compute dtype; None takes the run's `compute_dtype`.
     """

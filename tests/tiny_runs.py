@@ -10,7 +10,7 @@ from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 def compilation_cache(folder) -> str:
     """The trainer override for JAX's compilation cache: the test run's (conftest.py), so
     that a program another test compiled loads from disk, else ``folder``."""
-    return f"compilation_cache_dir={os.environ.get('JAX_COMPILATION_CACHE_DIR', folder)}"
+    return f"xla.compilation_cache_dir={os.environ.get('JAX_COMPILATION_CACHE_DIR', folder)}"
 
 
 @contextlib.contextmanager
@@ -48,12 +48,12 @@ def tiny_run(
         f"model.num_attention_heads={heads}",
         f"model.num_key_value_heads={kv_heads}",
         "model.head_dim=16",
-        f"seq_len={seq_len}",
-        f"batch_size={batch_size}",
-        "warmup_steps=2",
-        "log_every=1",
-        "eval_every=1000",
-        "checkpoint_every=1000",
-        "progress_bar=false",
-        "sample_prompt=null",
+        f"data.seq_len={seq_len}",
+        f"data.batch_size={batch_size}",
+        "optimizer.warmup_steps=2",
+        "logging.every=1",
+        "eval.every=1000",
+        "checkpoint.every=1000",
+        "logging.progress_bar=false",
+        "logging.sample_prompt=null",
     ]

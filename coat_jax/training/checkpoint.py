@@ -238,7 +238,7 @@ class Checkpointer:
             abstract_state,
             "a checkpoint",
             "free space there or point output_dir at a larger disk (or, to train without "
-            "checkpoints, set save_final=false and checkpoint_every above steps)",
+            "checkpoints, set checkpoint.save_final=false and checkpoint_every above steps)",
         )
 
     def _room(self, state, what: str, advice: str) -> tuple[int, int]:

@@ -1,11 +1,14 @@
 """Typed training configuration: dataclass defaults, YAML files that may name a base, overrides.
 
-A config file is YAML whose keys mirror :class:`TrainConfig`; ``model:`` and ``mesh:`` are nested
-sections. ``base: other.yaml`` (relative to the file) is loaded first and then updated key by key.
-Command-line overrides are ``key=value`` or ``section.key=value``; values are parsed as YAML
-scalars (``steps=100``, ``init_from=null``, ``resume=true``). ``recipe: NAME``
-(:mod:`coat_jax.recipes`) gives the keys that neither the files nor the overrides set. Every
-value is checked against the field's type, and an unknown key is rejected with its close matches.
+A config file is YAML with the run-wide keys at the top level and the others in sections by concern
+(``model``, ``precision``, ``memory``, ``data``, ``optimizer``, ``checkpoint``, ``eval``,
+``logging``, ``xla``, ``mesh``; :mod:`coat_jax.training.config_names` names each key, and refuses a
+flat key of an earlier version with its new name). ``base: other.yaml`` (relative to the file) is
+loaded first and then updated key by key. Command-line overrides are ``key=value`` or
+``section.key=value``; values are parsed as YAML scalars (``steps=100``, ``init_from=null``,
+``resume=true``). ``recipe: NAME`` (:mod:`coat_jax.recipes`) gives the keys that neither the files
+nor the overrides set. Every value is checked against the field's type, and an unknown key is
+rejected with its close matches.
 """
 
 from __future__ import annotations
@@ -19,11 +22,26 @@ from typing import Any, Literal
 
 import yaml
 
-from coat_jax import recipes
+from coat_jax import quant, recipes
+from coat_jax.fp8.config import (
+    ATTENTION_BACKWARDS,
+    LINEAR_SCALINGS,
+    PRECISIONS,
+    SWIGLU_OPS,
+    WEIGHT_RESIDUALS,
+    FP8Config,
+)
 from coat_jax.llama import REMAT_POLICIES, LlamaConfig
+from coat_jax.training.config_names import field_of, flatten, name_of, nest
 from coat_jax.training.config_values import coerce, read_config_file, set_dotted
 from coat_jax.training.data import DEFAULT_DATA_PATH, DataSource, check_data_keys
-from coat_jax.training.op_kernels import op_kernels_as_mapping, op_kernels_text, parse_op_kernels
+from coat_jax.training.kernel_choice import (
+    Kernels,
+    check_kernels,
+    kernels_mapping,
+    names_fp8_ops,
+    to_yaml,
+)
 
 # The ``model`` section is a :class:`coat_jax.llama.LlamaConfig` (one source of truth for the
 # architecture, ``rope_scaling`` included). Keys a config leaves out take these values, the tiny
@@ -43,6 +61,7 @@ DEFAULT_MODEL = {
     "max_position_embeddings": 2048,
 }
 RematName = Literal[tuple(REMAT_POLICIES)]
+_FP8_DEFAULTS = FP8Config()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +91,16 @@ class TrainConfig:
       folder or a Llama ``.gguf`` file
       (``pkg:PACKAGE/FILE`` finds a file inside an installed package). Its architecture
       replaces the ``model`` section, which only describes models trained from scratch.
-    - ``tokenizer``: ``byte`` (UTF-8 bytes, vocabulary 258), ``init_from`` (the checkpoint's
+    - ``data.tokenizer``: ``byte`` (UTF-8 bytes, vocabulary 258), ``init_from`` (the checkpoint's
       own) or a path that ``coat_jax.load_tokenizer`` reads.
-    - ``compute_dtype``: activation dtype; master weights are always float32.
-    - ``scan_layers``: stack the decoder layers and run them with ``jax.lax.scan`` (one compiled
-      layer; MaxText's ``scan_layers``). Checkpoints of either layout resume in the other.
-    - ``remat``: rematerialization policy of the decoder layers, a name of
+    - ``precision.compute_dtype``: activation dtype; master weights are always float32.
+    - ``memory.scan_layers``: stack the decoder layers and run them with ``jax.lax.scan`` (one
+      compiled layer; MaxText's ``scan_layers``). Checkpoints of either layout resume in the other.
+    - ``memory.remat``: rematerialization policy of the decoder layers, a name of
       ``coat_jax.llama.REMAT_POLICIES`` (``none``, ``full``, ``attention``, ``activations``).
-    - ``fp8_attention``: keep attention's q, k, v in FP8 for backward (``Llama(fp8_attention=)``;
-      precision ``fp8`` or ``coat``).
-    - ``fp8_weight_residual``: how the FP8 linears get their weights' E4M3 codes
+    - ``precision.fp8_attention``: keep attention's q, k, v in FP8 for backward
+      (``Llama(fp8_attention=)``; precision ``fp8`` or ``coat``).
+    - ``precision.fp8_weight_residual``: how the FP8 linears get their weights' E4M3 codes
       (``FP8Config.weight_residual``). ``once`` (default): every linear weight is quantized
       once per step before the layers run, all layers of a scanned model in one pass, and
       forward and backward read those codes (1 byte per weight for the whole step; faster than
@@ -89,112 +108,97 @@ class TrainConfig:
       quantizes in forward and again in backward, keeping no codes (the leanest, e.g. with
       ``optimizer_in_backward``); ``fp8`` keeps forward's codes for backward
       (docs/memory_options.md).
-    - ``fp8_group_scale``: how the 1xG scales of the FP8 activations kept for backward are
+    - ``precision.fp8_group_scale``: how the 1xG scales of the FP8 activations kept for backward are
       stored (``FP8Config.group_scale``): ``float32`` (COAT) or ``e8m0`` (power-of-two scales
       in one byte; precision ``coat``, or ``fp8`` with ``fp8_attention``; docs/memory_options.md).
-    - ``fp8_attention_backward``: what FP8 attention's backward runs from
+    - ``precision.fp8_attention_backward``: what FP8 attention's backward runs from
       (``FP8Config.attention_backward``; needs ``fp8_attention``): ``recompute`` (default: the
       attention forward re-run from the FP8 q, k, v) or ``saved_output`` (attention and the
       o_proj as one op keeping the float32 softmax statistics and reading the output from the
       o_proj's FP8 input codes: no re-run; docs/memory_options.md, "FP8 attention").
-    - ``fp8_swiglu``: the MLP's SiLU and product in precision ``coat`` (``FP8Config.swiglu``):
-      ``coat`` (default, COAT: two FP8 ops keeping gate, the SiLU output and up) or ``fused``
-      (one op keeping gate and up, the SiLU recomputed in backward: one intermediate-size FP8
-      tensor less per layer; docs/memory_options.md, "Fused SwiGLU").
-    - ``fp8_linear_scaling``: how the FP8 linears scale their operands
+    - ``precision.fp8_swiglu``: the MLP's SiLU and product in precision ``coat``
+      (``FP8Config.swiglu``): ``coat`` (default, COAT: two FP8 ops keeping gate, the SiLU output and
+      up) or ``fused`` (one op keeping gate and up, the SiLU recomputed in backward: one
+      intermediate-size FP8 tensor less per layer; docs/memory_options.md, "Fused SwiGLU").
+    - ``precision.fp8_linear_scaling``: how the FP8 linears scale their operands
       (``FP8Config.linear_scaling``; precision ``fp8`` or ``coat``, with
       ``fp8_weight_residual: master``): ``tensor`` (default, COAT: one scale per tensor),
       ``row`` (one per token and per output channel, FP8 backward GEMMs) or ``row_gw_hp`` (the
       same, the weight gradient in BF16); ``coat_jax.fp8.rowwise``.
-    - ``master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master weights
-      and their gradients; the optimizer still computes in float32 and each update is applied
-      with stochastic rounding (``coat_jax.master``). An option, not a default: see
+    - ``precision.master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master
+      weights and their gradients; the optimizer still computes in float32 and each update is
+      applied with stochastic rounding (``coat_jax.master``). An option, not a default: see
       docs/memory_options.md for its accuracy evidence.
     - ``kernels``: where coat_adamw's step and the FP8 ops' quantizers and fused non-linear ops
-      run: ``auto`` (the Pallas kernels on a GPU, per shard on a mesh, except the FP8 ops'
-      which ``fp8_kernels`` picks unless set; plain jnp elsewhere),
-      ``xla`` (plain jnp) or ``pallas`` (the kernels, an error where one cannot run). Tests
-      run the kernels in Pallas interpret mode on a CPU through the environment variable
+      run (:mod:`coat_jax.training.kernel_choice`): ``auto`` (the Pallas kernels on a GPU, per
+      shard on a mesh, the FP8 ops by the run's shape; plain jnp elsewhere), ``xla`` (plain
+      jnp) or ``pallas`` (the kernels, an error where one cannot run), or a mapping part by
+      part, ``{optimizer: IMPL, fp8_ops: IMPL, OP: IMPL}`` with OP an op of
+      ``coat_jax.fp8_ops.KERNEL_OPS``; a part left out takes ``auto``. ``fp8_ops`` unset
+      follows the run's shape (``optimizers.fp8_ops_auto``): ``auto`` for a model at least
+      4096 wide with at least 16384 microbatch tokens per device, else the ops run as XLA's
+      fusions of their jnp references; the choice follows ``data.batch_size`` (``--plan``
+      compiles its other batch sizes with it; docs/bench_fp8_kernels.md). Tests run the
+      kernels in Pallas interpret mode on a CPU through the environment variable
       ``coat_jax.training.optimizers.PALLAS_INTERPRET_ENV``, not through this key.
-    - ``fp8_kernels``: ``kernels`` for the FP8 activation ops alone (quantizers and fused
-      non-linear ops; ``auto``, ``xla`` or ``pallas``), the optimizer keeping ``kernels``'s.
-      ``null`` (the default): with ``kernels: auto``, by the run's shape
-      (``optimizers.fp8_ops_auto``): ``auto`` for a model at least 4096 wide with at least
-      16384 microbatch tokens per device, else the ops run as XLA's fusions of their jnp
-      references (XLA fuses the quantization into its neighbours); coat_adamw runs its Pallas
-      kernel either way. With any other ``kernels``, as ``kernels``. ``fp8_kernels: pallas``
-      runs the Pallas kernels of the FP8 ops, ``auto`` the Pallas kernels where one runs (a
-      GPU; a shape a kernel cannot take falls back to XLA op by op) and the references
-      elsewhere. The choice follows ``batch_size``: ``--plan`` compiles its other batch sizes
-      with it. The thresholds follow the measured tokens/s of the Pallas kernels against XLA's
-      fusions (docs/bench_fp8_kernels.md).
-    - ``fp8_op_kernels``: exceptions to ``fp8_kernels``, op by op:
-      ``"op=implementation;..."`` (in YAML also a mapping ``{op: implementation}``, which
-      merges into a ``base:`` file's setting op by op, and ``fp8_op_kernels.OP=IMPL`` on the
-      command line sets one op and keeps the others, whichever form the file used) with ops
-      ``quantize_per_tensor`` (the linear layers' per-tensor quantizer),
-      ``quantize_per_group`` (FP8 attention's q, k, v), ``rmsnorm``,
-      ``silu``, ``mul``, ``swiglu``, ``rmsnorm_rowwise``, ``swiglu_rowwise`` (the producers
-      that write a row-wise linear's operand) and implementations ``auto``, ``xla``, ``pallas``
-      (``FP8Config.op_implementations``; docs/bench_fp8_kernels.md has the measurements).
-    - ``fused_apply``: coat_adamw's kernel also applies the update, reading each parameter and
-      writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
-      ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept
-      with ``telemetry`` (which samples the old state before the kernel overwrites it), ignored
-      with ``master_dtype: bfloat16`` and ``skip_nonfinite_steps``.
-    - ``optimizer_in_backward``: update each decoder layer inside the backward pass, as soon as
+    - ``optimizer.fused_apply``: coat_adamw's kernel also applies the update, reading each parameter
+      and writing the new one in its own pass (``coat_jax.apply_gradients``); ``false``: optax's
+      ``update`` then ``apply_updates``. Same state, same results to float32 rounding; kept with
+      ``telemetry`` (which samples the old state before the kernel overwrites it), ignored with
+      ``master_dtype: bfloat16`` and ``skip_nonfinite_steps``.
+    - ``optimizer.in_backward``: update each decoder layer inside the backward pass, as soon as
       its gradient exists, so that the step never holds the whole gradient
       (``coat_jax.training.layerwise``; docs/memory_options.md). Needs ``scan_layers: true``
       and what works without the whole gradient first: ``grad_clip: null``,
       ``grad_accum: 1``, ``skip_nonfinite_steps: 0``, ``telemetry: false``. Its checkpoints
       hold the optimizer state per layer and resume only with it on.
-    - ``loss_chunk_size``: compute the cross-entropy in blocks of this many positions
+    - ``memory.loss_chunk_size``: compute the cross-entropy in blocks of this many positions
       (``coat_jax.losses.cross_entropy_from_hidden``) instead of materialising the
       ``[batch, seq, vocab]`` float32 logits; ``null``: the plain loss.
-    - ``batch_size``: sequences per microbatch across all devices; a step averages the
+    - ``data.batch_size``: sequences per microbatch across all devices; a step averages the
       gradients of ``grad_accum`` microbatches, so it sees
       ``batch_size * grad_accum * seq_len`` tokens. ``auto``: the largest that fits the device,
       by compile-only planning (``coat_jax.training.plan.resolve_batch``), with ``grad_accum``
       set to ``global_batch_size / batch_size`` where ``global_batch_size`` is set.
-    - ``wandb_project``, ``wandb_mode``, ``profile_steps``:
+    - ``logging.wandb_project``, ``logging.wandb_mode``, ``logging.profile_steps``:
       ``coat_jax.training.metrics.WandbWriter`` and ``coat_jax.training.loop.StepTrace``.
-    - ``min_lr_ratio``: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
-    - ``grad_clip``: global-norm clipping threshold, ``null`` for none.
-    - ``skip_nonfinite_steps``: a step whose gradient is not finite leaves the parameters and
-      the optimizer state as they were (``coat_jax.training.optimizers.skip_nonfinite``); the
-      run stops (exit code 3) at the step that would make one more than this many. 0: stop at
-      the first.
-    - ``decay_norms_and_embeddings``: weight decay on every parameter instead of on matrices
-      other than the embedding only.
-    - ``mu_format``/``nu_format``: FP8 formats of coat_adamw's moments.
-    - ``compilation_cache_dir``: JAX's persistent compilation cache; ``null`` sets none
+    - ``optimizer.min_lr_ratio``: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
+    - ``optimizer.grad_clip``: global-norm clipping threshold, ``null`` for none.
+    - ``optimizer.skip_nonfinite_steps``: a step whose gradient is not finite leaves the parameters
+      and the optimizer state as they were (``coat_jax.training.optimizers.skip_nonfinite``); the
+      run stops (exit code 3) at the step that would make one more than this many. 0: stop at the
+      first.
+    - ``optimizer.decay_norms_and_embeddings``: weight decay on every parameter instead of on
+      matrices other than the embedding only.
+    - ``optimizer.mu_format``/``optimizer.nu_format``: FP8 formats of coat_adamw's moments.
+    - ``xla.compilation_cache_dir``: JAX's persistent compilation cache; ``null`` sets none
       (JAX's own ``JAX_COMPILATION_CACHE_DIR`` still applies).
-    - ``deterministic``: compile the training step and the evaluation with XLA's
+    - ``xla.deterministic``: compile the training step and the evaluation with XLA's
       ``xla_gpu_deterministic_ops`` (``coat_jax.training.program.compiler_options``), meant to make
       a single-GPU run repeat bit for bit: scatters (the embedding's gradient) and reductions
-      without atomics. It covers what XLA compiles; the Pallas kernels use no atomics;
-      collectives across devices are not covered. The model's attention then runs as XLA's
-      (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by
-      default. On a GPU two runs of a tiny COAT model with it repeat bit for bit
-      (``tests/training/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With cuDNN's
-      attention the BF16 and COAT steps failed to compile under the XLA option (cause not
-      located), hence XLA's attention; an error of the first step under this option is
-      reported as one that names it. The CPU backend is deterministic without it. Why it
-      exists: two GPU runs of the same BF16 step did not repeat (docs/accuracy.md).
-    - ``xla_excess_precision``: XLA's ``xla_allow_excess_precision`` for the training step and
+      without atomics. It covers what XLA compiles; the Pallas kernels use no atomics; collectives
+      across devices are not covered. The model's attention then runs as XLA's
+      (``FP8Config.attention="xla"``, rematerialized) instead of cuDNN's. Slower; off by default. On
+      a GPU two runs of a tiny COAT model with it repeat bit for bit
+      (``tests/training/test_train.py::test_deterministic_gpu_runs_repeat_bit_for_bit``). With
+      cuDNN's attention the BF16 and COAT steps failed to compile under the XLA option (cause not
+      located), hence XLA's attention; an error of the first step under this option is reported as
+      one that names it. The CPU backend is deterministic without it. Why it exists: two GPU runs of
+      the same BF16 step did not repeat (docs/accuracy.md).
+    - ``xla.excess_precision``: XLA's ``xla_allow_excess_precision`` for the training step and
       the evaluation (``coat_jax.training.program.compiler_options``). ``true`` (XLA's own default)
       lets XLA keep a bfloat16 intermediate in float32 between two fusions (it removes the
       round trip through bfloat16); ``false`` rounds every bfloat16 value the program names,
       so those tensors cross memory in 2 bytes instead of 4. ``null``: the measured default,
       ``false`` for precision ``coat`` on a GPU and XLA's own otherwise
       (``coat_jax.training.model.excess_precision``, docs/bench_excess_precision.md).
-    - ``telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
+    - ``logging.telemetry``: add the optimizer state's quantization telemetry and (precision ``fp8``
       or ``coat``) the range of the FP8 activation scales to the metrics records written
       every ``log_every`` steps (and at the first and last step), computed on those steps
       only (``coat_jax.training.telemetry``, docs/telemetry.md).
     """
 
-    # Run.
+    # Run (top-level keys).
     recipe: Literal[tuple(recipes.RECIPES)] = recipes.DEFAULT
     steps: int = 600
     output_dir: str = "runs/default"
@@ -202,27 +206,24 @@ class TrainConfig:
     reschedule: bool = False
     overwrite: bool = False
     seed: int = 0
-    # Model.
-    precision: Literal["bf16", "fp8", "coat"] = "coat"
-    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     init_from: str | None = None
+    kernels: Kernels = "auto"
     model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(**DEFAULT_MODEL))
+    # precision.*: the FP8 options take FP8Config's defaults (one default per option).
+    precision: Literal[PRECISIONS] = "coat"
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    fp8_attention: bool = False
+    fp8_attention_backward: Literal[ATTENTION_BACKWARDS] = _FP8_DEFAULTS.attention_backward
+    fp8_weight_residual: Literal[WEIGHT_RESIDUALS] = _FP8_DEFAULTS.weight_residual
+    fp8_group_scale: Literal[quant.SCALE_FORMATS] = _FP8_DEFAULTS.group_scale
+    fp8_swiglu: Literal[SWIGLU_OPS] = _FP8_DEFAULTS.swiglu
+    fp8_linear_scaling: Literal[LINEAR_SCALINGS] = _FP8_DEFAULTS.linear_scaling
+    # memory.*
     scan_layers: bool = False
     remat: RematName = "none"
-    fp8_attention: bool = False
-    fp8_attention_backward: Literal["recompute", "saved_output"] = "recompute"
-    fp8_weight_residual: Literal["master", "fp8", "once"] = "once"
-    fp8_group_scale: Literal["float32", "e8m0"] = "float32"
-    fp8_swiglu: Literal["coat", "fused"] = "coat"
-    fp8_linear_scaling: Literal["tensor", "row", "row_gw_hp"] = "tensor"
-    master_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_chunk_size: int | None = None
-    kernels: Literal["auto", "xla", "pallas"] = "auto"
-    fp8_kernels: Literal["auto", "xla", "pallas"] | None = None
-    fp8_op_kernels: str | None = None
-    fused_apply: bool = True
-    optimizer_in_backward: bool = False
-    # Data (docs/data.md; check_data_keys checks these).
+    # data.* (docs/data.md; check_data_keys checks these).
     data_path: str = DEFAULT_DATA_PATH
     sources: tuple[DataSource, ...] | None = None
     text_field: str = "text"
@@ -236,7 +237,7 @@ class TrainConfig:
     batch_size: int | Literal["auto"] = 16
     grad_accum: int = 1
     global_batch_size: int | None = None
-    # Optimizer.
+    # optimizer.*
     # adamw, lion, sgd, adafactor, muon: optax's (coat_jax.training.optimizers documents how
     # each uses the keys below); coat_adamw: COAT's fused FP8 AdamW. fp8_state: store the optax
     # optimizer's parameter-shaped state in FP8 (coat_jax.fp8_state), mu_format for signed
@@ -256,14 +257,19 @@ class TrainConfig:
     eps: float = 1e-8
     mu_format: Literal["e4m3", "e5m2"] = "e4m3"
     nu_format: Literal["e4m3", "e5m2"] = "e4m3"
-    # Bookkeeping.
-    log_every: int = 10
-    eval_every: int = 200
-    eval_batches: int = 8
+    fused_apply: bool = True
+    optimizer_in_backward: bool = False
+    skip_nonfinite_steps: int = 0
+    # checkpoint.*
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     save_final: bool = True
-    skip_nonfinite_steps: int = 0
+    # eval.*
+    eval_every: int = 200
+    eval_batches: int = 8
+    eval_at_start: bool = False
+    # logging.*
+    log_every: int = 10
     progress_bar: bool = True
     tensorboard: bool = False
     wandb_project: str | None = None
@@ -272,7 +278,7 @@ class TrainConfig:
     telemetry: bool = False
     sample_prompt: str | None = "It is a truth"
     sample_tokens: int = 64
-    eval_at_start: bool = False
+    # xla.*
     compilation_cache_dir: str | None = "~/.cache/coat_jax/jax"
     deterministic: bool = False
     xla_excess_precision: bool | None = None
@@ -294,89 +300,90 @@ class TrainConfig:
         )
         if self.loss_chunk_size is not None and self.loss_chunk_size <= 0:
             raise ValueError(
-                f"loss_chunk_size must be a positive integer or null (plain loss), got "
+                f"memory.loss_chunk_size must be a positive integer or null (plain loss), got "
                 f"{self.loss_chunk_size}"
             )
         if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+            raise ValueError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise ValueError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         # A warmup as long as the run shrinks (coat_jax.training.program.warmup_of).
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.global_batch_size is not None and self.global_batch_size <= 0:
             raise ValueError(
-                f"global_batch_size must be positive or null, got {self.global_batch_size}"
+                f"data.global_batch_size must be positive or null, got {self.global_batch_size}"
             )
         if (
             self.profile_steps is not None
             and not 1 <= self.profile_steps[0] <= self.profile_steps[1]
         ):
             raise ValueError(
-                f"profile_steps must be [first, last] with 1 <= first <= last, got "
+                f"logging.profile_steps must be [first, last] with 1 <= first <= last, got "
                 f"{list(self.profile_steps)}"
             )
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"grad_clip must be > 0 or null (off), got {self.grad_clip}")
+            raise ValueError(f"optimizer.grad_clip must be > 0 or null (off), got {self.grad_clip}")
         if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("b1", "b2", "momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+                raise ValueError(f"{name_of(name)} must be in [0, 1), got {getattr(self, name)}")
         if self.fp8_state and self.optimizer == "coat_adamw":
             raise ValueError(
-                "fp8_state=true wraps an optax optimizer, but coat_adamw already keeps FP8 "
-                "moments; use optimizer=adamw fp8_state=true, or fp8_state=false"
+                "optimizer.fp8_state=true wraps an optax optimizer, but coat_adamw already keeps "
+                "FP8 "
+                "moments; use optimizer.name=adamw optimizer.fp8_state=true, or "
+                "optimizer.fp8_state=false"
             )
         # "once", the default, holds trivially for precision bf16 (no weight is quantized);
         # keeping forward's FP8 codes is asked for explicitly and would do nothing there.
         if self.fp8_weight_residual == "fp8" and self.precision == "bf16":
             raise ValueError(
-                "fp8_weight_residual=fp8 needs precision fp8 or coat (precision bf16 has no FP8 "
-                "weights); set fp8_weight_residual=once (the default) or master"
+                "precision.fp8_weight_residual=fp8 needs precision fp8 or coat (precision bf16 has "
+                "no FP8 "
+                "weights); set precision.fp8_weight_residual=once or master"
             )
-        if self.fp8_op_kernels is not None:
-            if self.precision == "bf16":
-                raise ValueError(
-                    f"fp8_op_kernels={self.fp8_op_kernels!r} picks the kernels of FP8 activation "
-                    "ops, and precision=bf16 has none; use precision=fp8 or coat, or set "
-                    "fp8_op_kernels=null"
-                )
-            parse_op_kernels(self.fp8_op_kernels)
-        if self.fp8_kernels is not None and self.precision == "bf16":
+        if self.precision == "bf16" and names_fp8_ops(self.kernels):
             raise ValueError(
-                f"fp8_kernels={self.fp8_kernels} picks the kernels of the FP8 activation ops, and "
-                "precision=bf16 has none; use precision=fp8 or coat, or set fp8_kernels=null"
+                f"kernels={to_yaml(self.kernels)} picks the kernels of FP8 activation ops, and "
+                "precision.mode=bf16 has none; use precision.mode=fp8 or coat, or set "
+                "kernels.optimizer "
+                "alone"
             )
         if self.fp8_group_scale != "float32" and not (
             self.precision == "coat" or (self.precision == "fp8" and self.fp8_attention)
         ):
             raise ValueError(
-                f"fp8_group_scale={self.fp8_group_scale} changes the 1x16 scales of FP8 "
-                f"activations, and precision={self.precision} with fp8_attention="
-                f"{str(self.fp8_attention).lower()} keeps none; use precision=coat (or fp8 "
-                "with fp8_attention=true), or set fp8_group_scale=float32"
+                f"precision.fp8_group_scale={self.fp8_group_scale} changes the 1x16 scales of FP8 "
+                f"activations, and precision.mode={self.precision} with precision.fp8_attention="
+                f"{str(self.fp8_attention).lower()} keeps none; use precision.mode=coat (or fp8 "
+                "with precision.fp8_attention=true), or set precision.fp8_group_scale=float32"
             )
         if self.fp8_attention_backward != "recompute" and not self.fp8_attention:
             raise ValueError(
-                f"fp8_attention_backward={self.fp8_attention_backward} is an option of FP8 "
-                "attention, and fp8_attention=false runs attention in BF16; set "
-                "fp8_attention=true, or fp8_attention_backward=recompute"
+                f"precision.fp8_attention_backward={self.fp8_attention_backward} is an option of "
+                f"FP8 "
+                "attention, and precision.fp8_attention=false runs attention in BF16; set "
+                "precision.fp8_attention=true, or precision.fp8_attention_backward=recompute"
             )
         if self.fp8_swiglu != "coat" and self.precision != "coat":
             raise ValueError(
-                f"fp8_swiglu={self.fp8_swiglu} changes the FP8 SiLU and product of precision "
-                f"coat, and precision={self.precision} runs them in BF16; use precision=coat, "
-                "or set fp8_swiglu=coat"
+                f"precision.fp8_swiglu={self.fp8_swiglu} changes the FP8 SiLU and product of "
+                f"precision "
+                f"coat, and precision.mode={self.precision} runs them in BF16; use "
+                f"precision.mode=coat, "
+                "or set precision.fp8_swiglu=coat"
             )
         if self.fp8_linear_scaling != "tensor" and (
             self.precision == "bf16" or self.fp8_weight_residual != "master"
         ):
             raise ValueError(
-                f"fp8_linear_scaling={self.fp8_linear_scaling} re-quantizes master weights in FP8 "
-                f"linears, and precision={self.precision} with fp8_weight_residual="
-                f"{self.fp8_weight_residual} does not; use precision=fp8 or coat with "
-                "fp8_weight_residual=master, or set fp8_linear_scaling=tensor"
+                f"precision.fp8_linear_scaling={self.fp8_linear_scaling} re-quantizes master "
+                f"weights in FP8 "
+                f"linears, and precision.mode={self.precision} with precision.fp8_weight_residual="
+                f"{self.fp8_weight_residual} does not; use precision.mode=fp8 or coat with "
+                "precision.fp8_weight_residual=master, or set precision.fp8_linear_scaling=tensor"
             )
         check_data_keys(self)
         for name in ("data", "fsdp"):
@@ -392,7 +399,7 @@ class TrainConfig:
             )
         if self.skip_nonfinite_steps < 0:
             raise ValueError(
-                f"skip_nonfinite_steps must be >= 0 (0: stop at the first), got "
+                f"optimizer.skip_nonfinite_steps must be >= 0 (0: stop at the first), got "
                 f"{self.skip_nonfinite_steps}"
             )
         if self.optimizer_in_backward:
@@ -401,7 +408,7 @@ class TrainConfig:
         # checkpoint's; the trainer checks it once it has read it.
         if self.init_from is None and self.seq_len > self.model.max_position_embeddings:
             raise ValueError(
-                f"seq_len={self.seq_len} is longer than model.max_position_embeddings="
+                f"data.seq_len={self.seq_len} is longer than model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}; lower seq_len or raise "
                 "model.max_position_embeddings"
             )
@@ -409,35 +416,45 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         if self.batch_size == "auto":
-            raise ValueError("batch_size=auto is resolved by coat_jax.training.plan.resolve_batch")
+            raise ValueError(
+                "data.batch_size=auto is resolved by coat_jax.training.plan.resolve_batch"
+            )
         return self.batch_size * self.grad_accum * self.seq_len
 
 
 def _check_in_backward(cfg: TrainConfig) -> None:
     """What ``optimizer_in_backward`` cannot do: anything that needs the whole gradient first."""
     needs = {
-        "scan_layers": (not cfg.scan_layers, "scan_layers=true (the layers' backward is a scan)"),
+        "scan_layers": (
+            not cfg.scan_layers,
+            "memory.scan_layers=true (the layers' backward is a scan)",
+        ),
         "grad_clip": (
             cfg.grad_clip is not None,
-            "grad_clip=null (global-norm clipping needs every gradient before any update)",
+            "optimizer.grad_clip=null (global-norm clipping needs every gradient before any "
+            "update)",
         ),
-        "grad_accum": (cfg.grad_accum != 1, "grad_accum=1 (each layer is updated once per step)"),
+        "grad_accum": (
+            cfg.grad_accum != 1,
+            "data.grad_accum=1 (each layer is updated once per step)",
+        ),
         "skip_nonfinite_steps": (
             cfg.skip_nonfinite_steps != 0,
-            "skip_nonfinite_steps=0 (a layer is updated before the rest of the gradient exists)",
+            "optimizer.skip_nonfinite_steps=0 (a layer is updated before the rest of the gradient "
+            "exists)",
         ),
-        "telemetry": (cfg.telemetry, "telemetry=false (it reads the whole gradient)"),
+        "telemetry": (cfg.telemetry, "logging.telemetry=false (it reads the whole gradient)"),
     }
     bad = [fix for wrong, fix in needs.values() if wrong]
     if bad:
-        raise ValueError("optimizer_in_backward=true needs " + "; ".join(bad))
+        raise ValueError("optimizer.in_backward=true needs " + "; ".join(bad))
 
 
 def _check_positive(cfg, *names):
     for name in names:
         value = getattr(cfg, name)
         if value != "auto" and value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
+            raise ValueError(f"{name_of(name)} must be a positive integer, got {value}")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -451,7 +468,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
       The validated config.
 
     Raises:
-      ValueError: unknown key (the message names close matches), bad value, or a base cycle.
+      ValueError: unknown key (the message names close matches), a key of an earlier version
+        (the message names its new name), bad value, or a base cycle.
     """
     raw: dict[str, Any] = {} if path is None else read_config_file(path)
     for item in overrides:
@@ -466,21 +484,24 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                 f"{key}='\"{text}\"'"
             ) from None
         key = key.strip()
-        if key.startswith("fp8_op_kernels."):
-            op_kernels_as_mapping(raw)
+        if key.startswith("kernels."):
+            raw["kernels"] = kernels_mapping(check_kernels(raw.get("kernels", "auto")))
         set_dotted(raw, key, value)
     return from_dict(raw)
 
 
 def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
-    """Validates a (possibly nested) mapping against :class:`TrainConfig` and builds it; keys
-    it leaves out take the values of its ``recipe`` (:mod:`coat_jax.recipes`), then defaults."""
+    """Validates a mapping of sections (or dotted keys, ``{"precision.mode": "bf16"}``) and
+    builds the :class:`TrainConfig`; keys it leaves out take the values of its ``recipe``
+    (:mod:`coat_jax.recipes`), then defaults."""
     if not isinstance(raw, Mapping):
-        return _build(TrainConfig, raw, prefix="")
-    name = raw.get("recipe", recipes.DEFAULT)
-    taken = {k: v for k, v in recipes.settings(name).items() if k not in raw}
+        raise ValueError(f"config must be a mapping, got {raw!r}")
+    _check_removed(raw)
+    flat = flatten(raw)
+    name = flat.get("recipe", recipes.DEFAULT)
+    taken = {k: v for k, v in recipes.settings(name).items() if field_of(k) not in flat}
     try:
-        return _build(TrainConfig, {**taken, **raw}, prefix="")
+        return _build(TrainConfig, {**{field_of(k): v for k, v in taken.items()}, **flat}, "")
     except ValueError as e:
         if not taken or name == recipes.DEFAULT:
             raise
@@ -488,8 +509,10 @@ def from_dict(raw: Mapping[str, Any]) -> TrainConfig:
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """The config as plain YAML-safe values (lists, not tuples)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    """The config as a file writes it: sections of plain YAML-safe values (lists, not tuples)."""
+    flat = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    flat["kernels"] = to_yaml(cfg.kernels)
+    return nest(flat)
 
 
 # Keys and values the trainer no longer takes, with what replaced them: a config naming one is
@@ -509,18 +532,22 @@ REMOVED_VALUES = {
 }
 
 
+def _check_removed(raw: Mapping[str, Any]) -> None:
+    for name, value in raw.items():
+        removed = REMOVED_KEYS.get(name)
+        if removed is None and isinstance(value, str):
+            removed = REMOVED_VALUES.get((name, value))
+        if removed is not None:
+            raise ValueError(removed)
+
+
 def _build(cls, raw: Mapping[str, Any], prefix: str):
+    """``cls`` from ``raw``: TrainConfig from its flat fields (names its keys by their file
+    names), a section's dataclass from its keys."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    if cls is TrainConfig:
-        for name, value in raw.items():
-            removed = REMOVED_KEYS.get(name)
-            if removed is None and isinstance(value, str):
-                removed = REMOVED_VALUES.get((name, value))
-            if removed is not None:
-                raise ValueError(removed)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         close = {k: difflib.get_close_matches(str(k), fields, n=3) for k in unknown}
@@ -534,21 +561,18 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
     kwargs = dict(DEFAULT_MODEL) if cls is LlamaConfig else {}
     for name, value in raw.items():
         hint = hints[name]
+        label = name_of(name) if cls is TrainConfig else prefix + name
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
-        elif cls is TrainConfig and name == "fp8_op_kernels" and isinstance(value, Mapping):
-            kwargs[name] = op_kernels_text(value)
+        elif cls is TrainConfig and name == "kernels":
+            kwargs[name] = check_kernels(value)
         elif (section := _section_of_list(hint)) is not None and value is not None:
             # A list of sections such as sources: each item is built and checked like a section.
             if not isinstance(value, list | tuple):
-                raise ValueError(
-                    f"{prefix}{name}={value!r} is not valid; expected a list of mappings"
-                )
-            kwargs[name] = tuple(
-                _build(section, v, f"{prefix}{name}[{i}].") for i, v in enumerate(value)
-            )
+                raise ValueError(f"{label}={value!r} is not valid; expected a list of mappings")
+            kwargs[name] = tuple(_build(section, v, f"{label}[{i}].") for i, v in enumerate(value))
         else:
-            kwargs[name] = coerce(prefix + name, hint, value)
+            kwargs[name] = coerce(label, hint, value)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from coat_jax.training.op_kernels import op_kernels_as_mapping
+from coat_jax.training.kernel_choice import check_kernels, kernels_mapping
 
 
 def read_config_file(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -47,8 +47,9 @@ def read_config_file(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str,
     if base is None:
         return data
     merged = read_config_file(path.parent / base, (*seen, path))
-    if isinstance(data.get("fp8_op_kernels"), Mapping):
-        op_kernels_as_mapping(merged)
+    if isinstance(data.get("kernels"), Mapping) and "kernels" in merged:
+        # A mapping over a base file's name changes the parts it names and keeps the others.
+        merged["kernels"] = kernels_mapping(check_kernels(merged["kernels"]))
     deep_update(merged, data)
     return merged
 

@@ -150,14 +150,15 @@ def run_loop(run: RunState, cfg: TrainConfig, out: Path, stop_at, say) -> TrainR
     warmup = warmup_of(program.cfg)
     if warmup != program.cfg.warmup_steps:
         say(
-            f"note: warmup_steps={program.cfg.warmup_steps} is not below steps="
+            f"note: optimizer.warmup_steps={program.cfg.warmup_steps} is not below steps="
             f"{program.cfg.steps}: the warmup shrinks to {warmup} steps (a tenth of the run)"
         )
     num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(program.abstract_params))
     say(
         f"{program.model_def.config.model_type} {num_params / 1e6:.2f}M params, "
-        f"precision={cfg.precision}, "
-        f"optimizer={cfg.optimizer}, scan_layers={cfg.scan_layers}, remat={cfg.remat}, "
+        f"precision.mode={cfg.precision}, "
+        f"optimizer.name={cfg.optimizer}, memory.scan_layers={cfg.scan_layers}, "
+        f"memory.remat={cfg.remat}, "
         f"mesh data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}, "
         f"{cfg.tokens_per_step} tokens/step, {run.order.num_windows} training windows"
     )

@@ -23,7 +23,7 @@ from coat_jax.losses import cross_entropy_from_hidden
 from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
 from coat_jax.training.data import DOCUMENT_START, targets
-from coat_jax.training.op_kernels import parse_op_kernels
+from coat_jax.training.kernel_choice import op_implementations
 from coat_jax.training.optimizers import kernel_options
 from pallas_kernels.sharding import KernelMesh
 
@@ -85,8 +85,8 @@ def model_def_for(
 ) -> ModelDef:
     """The model ``cfg`` trains (precision, dtype, layer layout, remat), built abstractly.
 
-    ``cfg.fp8_kernels`` (unset with ``kernels: auto``: by the model's width and the tokens per
-    device, ``optimizers.fp8_ops_auto``; else as ``cfg.kernels``) picks where the FP8 ops run;
+    ``cfg.kernels`` (its ``fp8_ops`` part, unset: by the model's width and the tokens per
+    device, ``optimizers.fp8_ops_auto``; and its per-op parts) picks where the FP8 ops run;
     with ``mesh`` (a program on several devices) their Pallas kernels, where chosen, run on
     each shard (``FP8Config(mesh=KernelMesh(mesh))``): activations split over the batch axes,
     weights as the trainer's FSDP rule places them. ``loss_mask``: the windows mark tokens that
@@ -107,7 +107,7 @@ def model_def_for(
         attention_backward=cfg.fp8_attention_backward,
         linear_scaling=cfg.fp8_linear_scaling,
         attention="xla" if cfg.deterministic or within_documents else "auto",
-        op_implementations=parse_op_kernels(cfg.fp8_op_kernels),
+        op_implementations=op_implementations(cfg.kernels),
         **kernel_options(
             cfg,
             fp8_ops=True,

@@ -39,6 +39,7 @@ from coat_jax.optim import chain as optim_chain
 from coat_jax.optim import clip_by_global_norm, coat_adamw
 from coat_jax.training import sharding
 from coat_jax.training.config import TrainConfig
+from coat_jax.training.kernel_choice import kernels_mapping, to_yaml
 
 
 def weight_decay_mask(params, decay_all: bool):
@@ -91,12 +92,12 @@ def _inner_optimizer(cfg: TrainConfig, schedule, mask) -> optax.GradientTransfor
             consistent_rms=0.2,
         )
     raise ValueError(
-        f"optimizer={cfg.optimizer!r} has no inner optax optimizer; valid: adamw, lion, sgd, "
+        f"optimizer.name={cfg.optimizer!r} has no inner optax optimizer; valid: adamw, lion, sgd, "
         "adafactor, muon"
     )
 
 
-# Where the FP8 activation ops run when ``fp8_kernels`` is unset and ``kernels`` is ``auto``:
+# Where the FP8 activation ops run when ``kernels`` leaves them unset (``kernels: auto``):
 # ``auto`` (the Pallas kernels where they run, XLA's fusions elsewhere) for a model at least
 # FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS microbatch tokens per device,
 # ``xla`` (XLA's fusions of the jnp references, fused into their neighbours) otherwise. The
@@ -108,7 +109,7 @@ FP8_PALLAS_MIN_TOKENS = 16384
 
 
 def fp8_ops_auto(cfg: TrainConfig, devices: int = 1, hidden_size: int | None = None) -> str:
-    """The FP8 activation ops' implementation for ``fp8_kernels`` unset under ``kernels: auto``
+    """The FP8 activation ops' implementation where ``kernels`` leaves ``fp8_ops`` unset
     on ``devices`` devices sharing the batch: ``"auto"`` when the model's width
     (``hidden_size``, default ``cfg.model.hidden_size``; the trainer passes the width of the
     model it builds, which ``init_from`` takes from the checkpoint) is at least
@@ -141,27 +142,28 @@ def pallas_interpret() -> bool:
 def kernel_options(
     cfg: TrainConfig, *, fp8_ops: bool = False, devices: int = 1, hidden_size: int | None = None
 ) -> dict:
-    """``implementation`` and ``interpret`` of the kernels for ``cfg.kernels``; with
-    ``fp8_ops``, of the FP8 activation ops: ``cfg.fp8_kernels`` where set, else
-    :func:`fp8_ops_auto` (for ``devices`` devices sharing the batch and a model
-    ``hidden_size`` wide) under ``kernels: auto`` and ``kernels`` otherwise (``pallas`` keeps
-    the Pallas kernels of every op).
+    """``implementation`` and ``interpret`` of the kernels ``cfg.kernels`` picks
+    (:mod:`coat_jax.training.kernel_choice`): its ``optimizer`` part; with ``fp8_ops``, its
+    ``fp8_ops`` part, where unset :func:`fp8_ops_auto` (for ``devices`` devices sharing the
+    batch and a model ``hidden_size`` wide).
 
     With the environment variable :data:`PALLAS_INTERPRET_ENV` set to ``1`` (tests on a CPU)
     every kernel runs in Pallas interpret mode: ``auto`` with ``interpret``, the FP8 ops too
-    unless ``fp8_kernels`` is set; it needs ``kernels: auto``.
+    unless ``kernels.fp8_ops`` is set; it needs the optimizer's part ``auto``.
     """
     interpret = pallas_interpret()
-    if interpret and cfg.kernels != "auto":
+    parts = kernels_mapping(cfg.kernels)
+    optimizer = parts.get("optimizer", "auto")
+    if interpret and optimizer != "auto":
         raise ValueError(
             f"{PALLAS_INTERPRET_ENV}=1 runs every kernel in Pallas interpret mode, and "
-            f"kernels={cfg.kernels} asks for another; set kernels=auto or unset "
+            f"kernels={to_yaml(cfg.kernels)} asks for another; set kernels=auto or unset "
             f"{PALLAS_INTERPRET_ENV}"
         )
-    implementation = cfg.kernels
-    if fp8_ops and cfg.fp8_kernels is not None:
-        implementation = cfg.fp8_kernels
-    elif fp8_ops and cfg.kernels == "auto" and not interpret:
+    implementation = optimizer
+    if fp8_ops and "fp8_ops" in parts:
+        implementation = parts["fp8_ops"]
+    elif fp8_ops and not interpret:
         implementation = fp8_ops_auto(cfg, devices, hidden_size)
     return dict(implementation=implementation, interpret=interpret)
 

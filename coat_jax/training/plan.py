@@ -149,9 +149,9 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
     ``auto`` is the largest batch whose compiled step fits ``limit`` (default: the device's
     allocator limit, :func:`device_limit`), searched by doubling and bisection over multiples
     of the mesh's data x fsdp devices, each candidate compiled (never run) as the trainer
-    builds it, so that batch-dependent choices (``fp8_kernels``) follow the candidate. With
-    ``global_batch_size`` only its divisors are candidates, each with ``grad_accum =
-    global_batch_size / batch_size``.
+    builds it, so that batch-dependent choices (``kernels.fp8_ops`` unset) follow the
+    candidate. With ``global_batch_size`` only its divisors are candidates, each with
+    ``grad_accum = global_batch_size / batch_size``.
 
     Raises:
       ValueError: ``auto`` on a backend without a memory limit (the CPU), no batch fits, or a
@@ -164,13 +164,14 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
         return dataclasses.replace(cfg, grad_accum=_accum_for(cfg, cfg.batch_size))
     if total is not None and cfg.grad_accum != 1:
         raise ValueError(
-            f"batch_size=auto with global_batch_size={total} sets grad_accum itself; leave "
+            f"data.batch_size=auto with data.global_batch_size={total} sets grad_accum itself; "
+            f"leave "
             f"grad_accum at 1 (got {cfg.grad_accum})"
         )
     limit = device_limit() if limit is None else limit
     if limit is None:
         raise ValueError(
-            f"batch_size=auto plans against the device's memory limit, and the "
+            f"data.batch_size=auto plans against the device's memory limit, and the "
             f"{jax.default_backend()} backend reports none; set batch_size to a number"
         )
     ways = math.prod(sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp).shape.values())
@@ -200,15 +201,15 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
     k = _largest_fitting(row, 1, max_compiles)
     if k is None:
         raise ValueError(
-            f"batch_size=auto: not even batch {candidate(1)} fits the device's "
+            f"data.batch_size=auto: not even batch {candidate(1)} fits the device's "
             f"{limit / GIB:.2f} GiB; see python train.py --plan for the memory account"
         )
     batch = candidate(k)
     accum = cfg.grad_accum if total is None else total // batch
     say(
-        f"batch_size=auto: {batch}, the largest batch whose compiled step fits the device's "
+        f"data.batch_size=auto: {batch}, the largest batch whose compiled step fits the device's "
         f"{limit / GIB:.2f} GiB ({len(seen)} compiles)"
-        + (f"; grad_accum={accum} keeps global_batch_size={total}" if total else "")
+        + (f"; data.grad_accum={accum} keeps data.global_batch_size={total}" if total else "")
     )
     return dataclasses.replace(cfg, batch_size=batch, grad_accum=accum)
 
@@ -217,7 +218,8 @@ def _accum_for(cfg: TrainConfig, batch: int) -> int:
     total = cfg.global_batch_size
     if total % batch or cfg.grad_accum not in (1, total // batch):
         raise ValueError(
-            f"global_batch_size={total} must be batch_size={batch} times grad_accum; leave "
+            f"data.global_batch_size={total} must be data.batch_size={batch} times grad_accum; "
+            f"leave "
             f"grad_accum at 1 (it becomes global_batch_size / batch_size) and choose a "
             f"batch_size that divides {total}"
         )
@@ -262,14 +264,17 @@ def format_plan(rows: list[PlanRow], largest: int | None, limit: int | None, cfg
         if limit is not None
         else [
             f"NOT A GPU PLAN: the {backend} backend reports no memory limit, so these are XLA's "
-            f"{backend} figures (a GPU compiles another program); run --plan on the GPU to plan it.",
+            f"{backend} figures (a GPU compiles another program); run --plan on the GPU to plan "
+            f"it.",
             "",
         ]
     )
     lines += [
         f"memory plan of this config's train step ({cfg.precision}, {cfg.optimizer}, "
-        f"scan_layers={cfg.scan_layers}, remat={cfg.remat}, master_dtype={cfg.master_dtype}, "
-        f"seq_len={cfg.seq_len}, grad_accum={cfg.grad_accum}) on {backend}, compiled, not run:",
+        f"memory.scan_layers={cfg.scan_layers}, memory.remat={cfg.remat}, "
+        f"precision.master_dtype={cfg.master_dtype}, "
+        f"data.seq_len={cfg.seq_len}, data.grad_accum={cfg.grad_accum}) on {backend}, compiled, "
+        f"not run:",
         "",
         f"{'batch':>6} {'params':>9} {'opt state':>10} {'activations':>12} {'workspace':>10} "
         f"{peak_name:>9}" + ("  fits" if limit is not None else ""),

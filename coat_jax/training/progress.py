@@ -93,7 +93,7 @@ class Progress:
             if self.skipped > cfg.skip_nonfinite_steps:
                 raise _diverged(
                     f"step {step} is non-finite (loss {loss}, gradient norm {grad_norm}), "
-                    f"{self.skipped} such steps, more than skip_nonfinite_steps="
+                    f"{self.skipped} such steps, more than optimizer.skip_nonfinite_steps="
                     f"{cfg.skip_nonfinite_steps}",
                     self.checkpointer,
                 )

@@ -189,7 +189,7 @@ def setup_run(cfg: TrainConfig, out: Path, checkpointer: Checkpointer, say) -> R
             llama_cfg = pretrained.config
     if cfg.init_from and cfg.seq_len > llama_cfg.max_position_embeddings:
         raise ValueError(
-            f"seq_len={cfg.seq_len} is longer than init_from's max_position_embeddings="
+            f"data.seq_len={cfg.seq_len} is longer than init_from's max_position_embeddings="
             f"{llama_cfg.max_position_embeddings}; lower seq_len"
         )
     if tokenizer.vocab_size > llama_cfg.vocab_size:
@@ -431,8 +431,8 @@ def first_step_of(cfg: TrainConfig, step_fn, args, stop: GracefulStop):
         if not cfg.deterministic:
             raise
         raise ValueError(
-            f"the first training step failed to compile or run with deterministic=true (XLA's "
+            f"the first training step failed to compile or run with xla.deterministic=true (XLA's "
             f"xla_gpu_deterministic_ops): {type(e).__name__}: {str(e)[:300]}. Set "
-            "deterministic=false (BF16 and COAT steps with cuDNN's attention have failed to "
-            "compile this way, the same step with compute_dtype=float32 compiled)"
+            "xla.deterministic=false (BF16 and COAT steps with cuDNN's attention have failed to "
+            "compile this way, the same step with precision.compute_dtype=float32 compiled)"
         ) from e

@@ -150,6 +150,6 @@ def check_batch_divisible(batch_size: int, mesh: Mesh) -> None:
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if batch_size % ways:
         raise ValueError(
-            f"batch_size={batch_size} must be a multiple of the mesh's data x fsdp = {ways} "
+            f"data.batch_size={batch_size} must be a multiple of the mesh's data x fsdp = {ways} "
             "devices (each device takes an equal share of every batch)"
         )

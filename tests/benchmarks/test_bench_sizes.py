@@ -55,7 +55,10 @@ def test_flags_reject_what_they_cannot_run():
 
 def test_settings_carry_the_model_and_come_back_without_it():
     size = S.SIZES["350M"]
-    for setting in ("coat:scan:none", "coat:unrolled:none:master_dtype=bfloat16+grad_clip=null"):
+    for setting in (
+        "coat:scan:none",
+        "coat:unrolled:none:precision.master_dtype=bfloat16+optimizer.grad_clip=null",
+    ):
         full = S.with_model(setting, size)
         assert "model.hidden_size=1024" in full and "model.num_hidden_layers=24" in full
         assert S.sweep_setting(full) == setting

@@ -312,9 +312,11 @@ def test_the_trainer_key_reaches_the_model_and_needs_fp8_attention():
     from coat_jax.training.config import load_config
     from coat_jax.training.model import model_def_for
 
-    with pytest.raises(ValueError, match="set fp8_attention=true"):
-        load_config(None, ["fp8_attention_backward=saved_output"])
-    cfg = load_config(None, ["fp8_attention=true", "fp8_attention_backward=saved_output"])
+    with pytest.raises(ValueError, match="set precision.fp8_attention=true"):
+        load_config(None, ["precision.fp8_attention_backward=saved_output"])
+    cfg = load_config(
+        None, ["precision.fp8_attention=true", "precision.fp8_attention_backward=saved_output"]
+    )
     model_def = model_def_for(cfg.model, cfg)
     model = model_def.bind(model_def.abstract_params)
     assert model.fp8_config.attention_backward == "saved_output"

@@ -21,7 +21,7 @@ from coat_jax.training.model import excess_precision, next_token_loss
 from coat_jax.training.program import build_program, compiler_options
 from tests.tiny_runs import tiny_run
 
-RUN = [*tiny_run(layers=1, batch_size=2), "compilation_cache_dir=null", "precision=coat"]
+RUN = [*tiny_run(layers=1, batch_size=2), "xla.compilation_cache_dir=null", "precision.mode=coat"]
 
 
 def _chain(x):
@@ -55,9 +55,11 @@ def test_gpu_backends_by_every_name(backend, gpu):
 @pytest.mark.parametrize("value", [None, True, False])
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "coat"])
 def test_the_option_becomes_xlas(value, precision):
-    extra = [] if value is None else [f"xla_excess_precision={str(value).lower()}"]
+    extra = [] if value is None else [f"xla.excess_precision={str(value).lower()}"]
     optimizer = "coat_adamw" if precision == "coat" else "adamw"
-    cfg = load_config(None, [*RUN, f"precision={precision}", f"optimizer={optimizer}", *extra])
+    cfg = load_config(
+        None, [*RUN, f"precision.mode={precision}", f"optimizer.name={optimizer}", *extra]
+    )
     assert cfg.xla_excess_precision is value
     options = compiler_options(cfg) or {}
     on_gpu = jax.default_backend() == "gpu"
@@ -87,11 +89,11 @@ def test_the_cpu_default_leaves_the_step_traceable_inside_another_trace():
 
 
 def test_the_trainers_loss_without_excess_precision():
-    """The trainer's loss compiled with ``xla_excess_precision=false`` runs and its loss agrees
+    """The trainer's loss compiled with ``xla.excess_precision=false`` runs and its loss agrees
     with XLA's default's to bfloat16 rounding (only where intermediates are rounded changes)."""
     losses = {}
     for value in ("true", "false"):
-        cfg = load_config(None, [*RUN, f"xla_excess_precision={value}"])
+        cfg = load_config(None, [*RUN, f"xla.excess_precision={value}"])
         program = build_program(cfg, cfg.model)
         params = program.init_params(jax.random.key(0))
         tokens = jax.random.randint(
@@ -108,14 +110,14 @@ def test_the_trainers_loss_without_excess_precision():
 
 def test_a_wrong_value_names_the_option():
     with pytest.raises(ValueError, match="xla_excess_precision"):
-        load_config(None, [*RUN, "xla_excess_precision=maybe"])
+        load_config(None, [*RUN, "xla.excess_precision=maybe"])
 
 
 # --------------------------------------------------------------------------------------------
 # The barrier on the kept FP8 codes: always on (the trainer key fp8_codes_barrier was removed)
 
 
-@pytest.mark.parametrize("extra", [[], ["xla_excess_precision=false"]])
+@pytest.mark.parametrize("extra", [[], ["xla.excess_precision=false"]])
 def test_the_model_always_gets_the_codes_barrier(extra):
     cfg = load_config(None, [*RUN, *extra])
     program = build_program(cfg, cfg.model)
@@ -126,4 +128,4 @@ def test_the_model_always_gets_the_codes_barrier(extra):
 @pytest.mark.parametrize("value", ["true", "false"])
 def test_fp8_codes_barrier_is_refused_as_removed(value):
     with pytest.raises(ValueError, match="fp8_codes_barrier was removed: .* always on"):
-        load_config(None, [*RUN, "xla_excess_precision=false", f"fp8_codes_barrier={value}"])
+        load_config(None, [*RUN, "xla.excess_precision=false", f"fp8_codes_barrier={value}"])

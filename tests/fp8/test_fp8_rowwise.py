@@ -176,10 +176,12 @@ def test_config_checks():
         fp8_rowwise_linear(_x(), fp8_ops.prequantized(_w()), ROW)
     run = tiny_run(layers=1)
     with pytest.raises(ValueError, match="fp8_linear_scaling") as bad:
-        load_config(None, [*run, "fp8_linear_scaling=col"])
+        load_config(None, [*run, "precision.fp8_linear_scaling=col"])
     assert "\n" not in str(bad.value) and "row_gw_hp" in str(bad.value)
-    with pytest.raises(ValueError, match="set fp8_linear_scaling=tensor") as once:
-        load_config(None, [*run, "fp8_linear_scaling=row"])  # the trainer's default is "once"
+    with pytest.raises(ValueError, match="set precision.fp8_linear_scaling=tensor") as once:
+        load_config(
+            None, [*run, "precision.fp8_linear_scaling=row"]
+        )  # the trainer's default is "once"
     assert "\n" not in str(once.value)
 
 
@@ -188,9 +190,9 @@ def test_trainer_runs_three_steps(tmp_path):
         *tiny_run(layers=1),
         "steps=3",
         "kernels=xla",
-        "compilation_cache_dir=null",
-        "fp8_weight_residual=master",
-        "fp8_linear_scaling=row",
+        "xla.compilation_cache_dir=null",
+        "precision.fp8_weight_residual=master",
+        "precision.fp8_linear_scaling=row",
         f"output_dir={tmp_path}/r",
     ]
     cfg = load_config(None, overrides)

@@ -29,7 +29,7 @@ from tests.tiny_runs import tiny_run
 B = 2
 # The trainer's tiny model (hidden 64, intermediate 160, 2 layers): the intermediate size is
 # apart from every other axis, so the intermediate-size residuals are found by their last axis.
-RUN = [*tiny_run(intermediate=160, batch_size=B), "kernels=xla", "compilation_cache_dir=null"]
+RUN = [*tiny_run(intermediate=160, batch_size=B), "kernels=xla", "xla.compilation_cache_dir=null"]
 
 
 @functools.cache
@@ -37,8 +37,8 @@ def _program(swiglu: str, precision: str = "coat"):
     """``(config, loss, params)``: the trainer's program for the option and its loss
     ``(params, tokens) -> nats`` (``next_token_loss``), with the weights of seed 0 (the same
     for every option)."""
-    extra = ["optimizer=adamw"] if precision != "coat" else [f"fp8_swiglu={swiglu}"]
-    cfg = load_config(None, [*RUN, f"precision={precision}", *extra])
+    extra = ["optimizer.name=adamw"] if precision != "coat" else [f"precision.fp8_swiglu={swiglu}"]
+    cfg = load_config(None, [*RUN, f"precision.mode={precision}", *extra])
     program = build_program(cfg, cfg.model)
     loss = functools.partial(next_token_loss, program.model_def)
     return cfg, loss, program.init_params(jax.random.key(0))
@@ -100,7 +100,7 @@ def test_forward_and_gradients_stay_as_close_to_bf16_as_coats():
 
 def test_trainer_option(tmp_path):
     overrides = [*tiny_run(layers=1), "steps=4", "kernels=xla", f"output_dir={tmp_path}/r"]
-    cfg = load_config(None, [*overrides, "fp8_swiglu=fused"])
+    cfg = load_config(None, [*overrides, "precision.fp8_swiglu=fused"])
     program = build_program(cfg, cfg.model)
     model = program.model_def.bind(program.abstract_params)
     assert model.fp8_config.swiglu == "fused"  # the option reaches the model's FP8 ops
@@ -121,7 +121,13 @@ def test_trainer_option(tmp_path):
     result = train(cfg, say=lambda msg: None)
     assert result.step == 4 and np.isfinite(result.val_loss)
     for precision in ("bf16", "fp8"):
-        with pytest.raises(ValueError, match="fp8_swiglu=fused changes the FP8 SiLU"):
+        with pytest.raises(ValueError, match="precision.fp8_swiglu=fused changes the FP8 SiLU"):
             load_config(
-                None, [*overrides, f"precision={precision}", "optimizer=adamw", "fp8_swiglu=fused"]
+                None,
+                [
+                    *overrides,
+                    f"precision.mode={precision}",
+                    "optimizer.name=adamw",
+                    "precision.fp8_swiglu=fused",
+                ],
             )

@@ -27,16 +27,16 @@ from tests.tiny_runs import tiny_run
 RUN = [
     *tiny_run(layers=1, batch_size=2),
     "kernels=xla",
-    "compilation_cache_dir=null",
-    "remat=none",
-    "fp8_attention=false",
-    "scan_layers=false",
+    "xla.compilation_cache_dir=null",
+    "memory.remat=none",
+    "precision.fp8_attention=false",
+    "memory.scan_layers=false",
 ]
 
 
 def _dots(gemm_output: str, precision: str = "coat"):
     """The dots of the trainer's loss and gradient for one setting, and the loss value."""
-    cfg = load_config(None, [*RUN, f"precision={precision}"])
+    cfg = load_config(None, [*RUN, f"precision.mode={precision}"])
     program = build_program(cfg, cfg.model)
     model = program.model_def.bind(program.abstract_params)
     assert model.fp8_config.gemm_output == "compute"  # the trainer's setting

@@ -169,7 +169,7 @@ def test_gradients_stay_close_to_float32_scales():
 
 def test_trainer_option(tmp_path):
     overrides = [*tiny_run(layers=1), "steps=4", "kernels=xla", f"output_dir={tmp_path}/r"]
-    cfg = load_config(None, [*overrides, "fp8_group_scale=e8m0"])
+    cfg = load_config(None, [*overrides, "precision.fp8_group_scale=e8m0"])
     program = build_program(cfg, cfg.model)
     assert program.model_def.graphdef is not None
     tokens = jax.ShapeDtypeStruct((2, cfg.seq_len + 1), jnp.int32)
@@ -180,11 +180,24 @@ def test_trainer_option(tmp_path):
     result = train(cfg, say=lambda msg: None)
     assert result.step == 4 and np.isfinite(result.val_loss)
     for precision in ("bf16", "fp8"):  # neither keeps FP8 activations with 1x16 scales
-        with pytest.raises(ValueError, match="keeps none; use precision=coat"):
+        with pytest.raises(ValueError, match="keeps none; use precision.mode=coat"):
             load_config(
                 None,
-                [*overrides, f"precision={precision}", "optimizer=adamw", "fp8_group_scale=e8m0"],
+                [
+                    *overrides,
+                    f"precision.mode={precision}",
+                    "optimizer.name=adamw",
+                    "precision.fp8_group_scale=e8m0",
+                ],
             )
-    load_config(None, [*overrides, "precision=fp8", "fp8_attention=true", "fp8_group_scale=e8m0"])
+    load_config(
+        None,
+        [
+            *overrides,
+            "precision.mode=fp8",
+            "precision.fp8_attention=true",
+            "precision.fp8_group_scale=e8m0",
+        ],
+    )
     with pytest.raises(ValueError, match="group_scale='bf16' is not one of"):
         FP8Config(group_scale="bf16")

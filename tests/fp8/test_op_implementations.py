@@ -1,4 +1,4 @@
-"""Per-op kernel choices: ``FP8Config.op_implementations`` and the trainer's ``fp8_op_kernels``.
+"""Per-op kernel choices: ``FP8Config.op_implementations`` and the trainer's ``kernels`` mapping.
 
 Each named op runs the implementation its entry gives and every other op ``implementation``'s,
 read off the Pallas kernels in the traced program; the results equal the all-XLA program's
@@ -15,7 +15,7 @@ import pytest
 from coat_jax import fp8_ops
 from coat_jax.fp8_ops import FP8Config, ops_for
 from coat_jax.training import load_config
-from coat_jax.training.op_kernels import parse_op_kernels
+from coat_jax.training.kernel_choice import kernels_mapping, op_implementations
 
 INTERPRET = jax.default_backend() != "gpu"
 # The Pallas kernel names each op's forward and backward launch.
@@ -130,29 +130,29 @@ def test_implementation_of_names_the_op_or_refuses():
     assert set(fp8_ops.KERNEL_OPS) >= set(KERNEL_NAMES)
 
 
-def test_trainer_key_parses_checks_and_reaches_the_model():
+def test_trainer_key_checks_and_reaches_the_model():
     from coat_jax.llama import LlamaConfig
     from coat_jax.training.model import model_def_for
 
-    assert parse_op_kernels(None) == ()
-    assert parse_op_kernels(" quantize_per_tensor = pallas ; swiglu=xla") == (
+    cfg = load_config(None, ["kernels.quantize_per_tensor=pallas", "kernels.swiglu=xla"])
+    assert op_implementations(cfg.kernels) == (
         ("quantize_per_tensor", "pallas"),
         ("swiglu", "xla"),
     )
     for bad, match in [
-        ("swiglu", "is not op=implementation"),
-        ("swiglu=xla;", "is not op=implementation"),
-        ("attention=xla", "valid ops are"),
-        ("swiglu=fast", "unknown implementation 'fast'"),
+        ("kernels.attention=xla", "kernels.attention is not a part; the parts are"),
+        ("kernels.swiglu=fast", "kernels.swiglu='fast' is not valid; choose one of"),
+        ("kernels=fast", "kernels='fast' is not valid"),
+        ("fp8_op_kernels.swiglu=xla", "`fp8_op_kernels` is now `kernels.OP`"),  # old flat key
     ]:
         with pytest.raises(ValueError, match=match):
-            load_config(None, ["precision=coat", f"fp8_op_kernels={bad}"])
-    with pytest.raises(ValueError, match="precision=bf16 has none"):
-        load_config(None, ["precision=bf16", "fp8_op_kernels=swiglu=xla"])
+            load_config(None, ["precision.mode=coat", bad])
+    with pytest.raises(ValueError, match="precision.mode=bf16 has none"):
+        load_config(None, ["precision.mode=bf16", "kernels.swiglu=xla"])
 
     cfg = load_config(
         None,
-        ["precision=coat", "fp8_kernels=xla", "fp8_op_kernels=quantize_per_tensor=pallas"],
+        ["precision.mode=coat", "kernels.fp8_ops=xla", "kernels.quantize_per_tensor=pallas"],
     )
     tiny = LlamaConfig(
         vocab_size=64,
@@ -166,43 +166,55 @@ def test_trainer_key_parses_checks_and_reaches_the_model():
 
 
 def test_trainer_key_takes_a_yaml_mapping(tmp_path):
-    """In a YAML file ``fp8_op_kernels`` may be a mapping; it is stored as the text form and
-    checked like it. An empty mapping or non-string names are refused, naming the fix."""
+    """In a YAML file ``kernels`` may be a mapping part by part, checked part by part; an
+    empty mapping leaves every part ``auto``."""
     path = tmp_path / "run.yaml"
-    path.write_text("precision: coat\nfp8_op_kernels:\n  swiglu: pallas\n  rmsnorm: xla\n")
+    path.write_text("precision:\n  mode: coat\nkernels:\n  swiglu: pallas\n  rmsnorm: xla\n")
     cfg = load_config(path)
-    assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla"
-    assert parse_op_kernels(cfg.fp8_op_kernels) == (("swiglu", "pallas"), ("rmsnorm", "xla"))
+    assert kernels_mapping(cfg.kernels) == {"swiglu": "pallas", "rmsnorm": "xla"}
+    assert op_implementations(cfg.kernels) == (("rmsnorm", "xla"), ("swiglu", "pallas"))
     for body, match in [
-        ("fp8_op_kernels: {swiglu: fast}\n", "unknown implementation 'fast'"),
-        ("fp8_op_kernels: {attention: xla}\n", "valid ops are"),
-        ("fp8_op_kernels: {}\n", "must name at least one op"),
-        ("fp8_op_kernels: {swiglu: 1}\n", "must name at least one op"),
+        ("kernels: {swiglu: fast}\n", "kernels.swiglu='fast' is not valid"),
+        ("kernels: {attention: xla}\n", "kernels.attention is not a part"),
+        ("kernels: {swiglu: 1}\n", "kernels.swiglu=1 is not valid"),
     ]:
-        path.write_text("precision: coat\n" + body)
+        path.write_text("precision:\n  mode: coat\n" + body)
         with pytest.raises(ValueError, match=match):
             load_config(path)
+    path.write_text("kernels: {}\n")
+    assert kernels_mapping(load_config(path).kernels) == {}
 
 
-def test_one_ops_override_merges_into_the_text_form(tmp_path):
-    """``fp8_op_kernels.OP=IMPL`` on the command line over a file that sets the key as text
-    replaces or adds that op and keeps the file's others (as it does over a YAML mapping); so
-    does a file's mapping over its ``base:`` file's text."""
+def test_one_parts_override_merges_into_the_files_setting(tmp_path):
+    """``kernels.PART=IMPL`` on the command line over a file that sets ``kernels`` (a name or a
+    mapping) replaces or adds that part and keeps the others; so does a file's mapping over its
+    ``base:`` file's setting."""
     path = tmp_path / "run.yaml"
-    path.write_text("precision: coat\nfp8_op_kernels: swiglu=pallas;rmsnorm=xla\n")
-    cfg = load_config(path, ["fp8_op_kernels.swiglu=xla"])
-    assert cfg.fp8_op_kernels == "swiglu=xla;rmsnorm=xla"
-    cfg = load_config(path, ["fp8_op_kernels.quantize_per_tensor=pallas"])
-    assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla;quantize_per_tensor=pallas"
-    # Earlier overrides in text form merge the same way.
-    cfg = load_config(None, ["fp8_op_kernels=swiglu=pallas", "fp8_op_kernels.rmsnorm=xla"])
-    assert cfg.fp8_op_kernels == "swiglu=pallas;rmsnorm=xla"
-    with pytest.raises(ValueError, match="unknown implementation 'fast'"):
-        load_config(path, ["fp8_op_kernels.swiglu=fast"])
-    # A file's mapping over its base file's text form merges op by op too.
+    path.write_text("kernels: {swiglu: pallas, rmsnorm: xla}\n")
+    cfg = load_config(path, ["kernels.swiglu=xla"])
+    assert kernels_mapping(cfg.kernels) == {"swiglu": "xla", "rmsnorm": "xla"}
+    cfg = load_config(path, ["kernels.quantize_per_tensor=pallas"])
+    assert kernels_mapping(cfg.kernels) == {
+        "swiglu": "pallas",
+        "rmsnorm": "xla",
+        "quantize_per_tensor": "pallas",
+    }
+    # Over a name, the name's parts are kept.
+    cfg = load_config(None, ["kernels=xla", "kernels.rmsnorm=pallas"])
+    assert kernels_mapping(cfg.kernels) == {
+        "optimizer": "xla",
+        "fp8_ops": "xla",
+        "rmsnorm": "pallas",
+    }
+    with pytest.raises(ValueError, match="kernels.swiglu='fast' is not valid"):
+        load_config(path, ["kernels.swiglu=fast"])
+    # A file's mapping over its base file's setting merges part by part too.
     child = tmp_path / "child.yaml"
-    child.write_text("base: run.yaml\nfp8_op_kernels:\n  rmsnorm: pallas\n")
-    assert load_config(child).fp8_op_kernels == "swiglu=pallas;rmsnorm=pallas"
-    path.write_text("precision: coat\nfp8_op_kernels: swiglu\n")
-    with pytest.raises(ValueError, match="is not op=implementation"):
-        load_config(path, ["fp8_op_kernels.rmsnorm=xla"])
+    child.write_text("base: run.yaml\nkernels:\n  rmsnorm: pallas\n")
+    assert kernels_mapping(load_config(child).kernels) == {"swiglu": "pallas", "rmsnorm": "pallas"}
+    path.write_text("kernels: pallas\n")
+    assert kernels_mapping(load_config(child).kernels) == {
+        "optimizer": "pallas",
+        "fp8_ops": "pallas",
+        "rmsnorm": "pallas",
+    }

@@ -416,8 +416,8 @@ def test_gathered_weight_codes_travel_as_fp8_not_float32():
 
 TINY = [
     *tiny_run(layers=1),
-    "compilation_cache_dir=null",
-    "compute_dtype=float32",
+    "xla.compilation_cache_dir=null",
+    "precision.compute_dtype=float32",
 ]
 # The trainer's kernels in Pallas interpret mode, as a CPU needs (the test-only switch; this
 # module runs in a process of its own).
@@ -454,7 +454,7 @@ def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothi
         "model.hidden_size=128",
         "model.intermediate_size=512",
         "model.num_hidden_layers=2",
-        "scan_layers=true",
+        "memory.scan_layers=true",
         "mesh.fsdp=4",
     )
     program = build_program(cfg, cfg.model)
@@ -524,7 +524,7 @@ def test_train_on_8_devices_equals_one_device_with_the_kernels(tmp_path):
                 f"mesh.data={data}",
                 f"mesh.fsdp={fsdp}",
                 f"output_dir={tmp_path / name}",
-                f"cache_dir={tmp_path / 'tokens'}",
+                f"data.cache_dir={tmp_path / 'tokens'}",
             )
             results[name] = train(cfg, stop_at=4, say=lambda line: None)
     finally:

@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     out = {}
     # The scanned run in plain bf16 with optax.adamw: the layout, not the precision, is tested.
-    scanned = ["scan_layers=true", "precision=bf16", "optimizer=adamw"]
+    scanned = ["memory.scan_layers=true", "precision.mode=bf16", "optimizer.name=adamw"]
     for name, extra in (("unrolled", []), ("scanned", scanned)):
         cfg = load_config(
             REPO / "configs" / "default.yaml",
@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
                 *cache_overrides(root / "caches"),
                 f"output_dir={root / name}",
                 "steps=4",
-                "checkpoint_every=2",
+                "checkpoint.every=2",
                 *extra,
             ],
         )

@@ -243,7 +243,7 @@ def test_init_takes_the_key_as_an_argument_and_lowers_without_weight_constants()
             "model.num_attention_heads=32",
             "model.num_key_value_heads=32",
             "model.head_dim=128",
-            "scan_layers=true",
+            "memory.scan_layers=true",
         ],
     )
     from coat_jax.training.model import model_def_for
@@ -342,9 +342,11 @@ def test_trainer_key_sets_the_weight_residual():
     from coat_jax.training.model import model_def_for
 
     for option in WEIGHT_RESIDUALS:
-        cfg = load_config(None, [f"fp8_weight_residual={option}", "precision=coat"])
+        cfg = load_config(None, [f"precision.fp8_weight_residual={option}", "precision.mode=coat"])
         model_def = model_def_for(cfg.model, cfg)
         model = nnx.merge(model_def.graphdef, model_def.abstract_state)
         assert model.fp8_config.weight_residual == option
-    with pytest.raises(ValueError, match="fp8_weight_residual=fp8 needs precision fp8 or coat"):
-        load_config(None, ["fp8_weight_residual=fp8", "precision=bf16"])
+    with pytest.raises(
+        ValueError, match="precision.fp8_weight_residual=fp8 needs precision fp8 or coat"
+    ):
+        load_config(None, ["precision.fp8_weight_residual=fp8", "precision.mode=bf16"])

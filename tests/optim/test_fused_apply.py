@@ -157,10 +157,10 @@ def test_trainer_fused_apply_equals_the_optax_way(tmp_path):
             [
                 *tiny_run(layers=1),
                 "steps=6",
-                "learning_rate=3e-3",
-                f"fused_apply={fused}",
+                "optimizer.learning_rate=3e-3",
+                f"optimizer.fused_apply={fused}",
                 f"output_dir={out}",
-                f"cache_dir={tmp_path}/tokens",
+                f"data.cache_dir={tmp_path}/tokens",
             ],
         )
         if fused == "true":

@@ -143,8 +143,8 @@ def test_tiny_smoke_run(tmp_path):
     runs, out = tmp_path / "runs", tmp_path / "acc"
     cmd = [sys.executable, str(REPO / "benchmarks" / "accuracy.py"), "--tiny", "--steps", "6"]
     cmd += ["--seeds", "0", "--modes", "bf16,coat", "--out", str(runs), "--results-dir", str(out)]
-    cmd += ["--override", f"cache_dir={tmp_path / 'cache'}", "compilation_cache_dir=null"]
-    cmd += ["eval_at_start=true"]
+    cmd += ["--override", f"data.cache_dir={tmp_path / 'cache'}", "xla.compilation_cache_dir=null"]
+    cmd += ["eval.at_start=true"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -206,12 +206,13 @@ def test_code_corpus_puts_each_file_whole_in_one_shard(tmp_path):
 def test_scratch_code_is_scratch_for_100m_tokens():
     spec = dict(o.split("=", 1) for o in accuracy.SETTINGS["scratch_code"]["overrides"])
     scratch = dict(o.split("=", 1) for o in accuracy.SETTINGS["scratch"]["overrides"])
-    assert int(spec["steps"]) * int(spec["batch_size"]) * int(spec["seq_len"]) >= 100_000_000
+    tokens = int(spec["steps"]) * int(spec["data.batch_size"]) * int(spec["data.seq_len"])
+    assert tokens >= 100_000_000
     assert {k: v for k, v in spec.items() if k.startswith("model.")} == {
         k: v for k, v in scratch.items() if k.startswith("model.")
     }
-    assert spec["data_path"] == accuracy.CODE_CORPUS
-    assert spec["val_documents"].split(",") == accuracy.CODE_HELD_OUT
+    assert spec["data.path"] == accuracy.CODE_CORPUS
+    assert spec["data.val_documents"].split(",") == accuracy.CODE_HELD_OUT
     keys = [o.split("=", 1)[0] for o in accuracy.SETTINGS["scratch_code"]["overrides"]]
     assert len(keys) == len(set(keys))  # no override given twice
 
@@ -220,11 +221,11 @@ def test_every_fp8_mode_pins_its_fp8_kernels():
     """A mode's rows must hold one implementation of the FP8 activation ops, whatever the
     trainer's default for them: each mode with FP8 ops names ``fp8_kernels`` itself."""
     for mode, overrides in accuracy.MODES.items():
-        if "precision=bf16" in overrides:
-            assert not any(o.startswith("fp8_kernels=") for o in overrides), mode
+        if "precision.mode=bf16" in overrides:
+            assert not any(o.startswith("kernels.fp8_ops=") for o in overrides), mode
         else:
-            assert sum(o.startswith("fp8_kernels=") for o in overrides) == 1, mode
-    assert "fp8_kernels=xla" in accuracy.MODES["coat_xla"]
-    assert "fp8_kernels=auto" in accuracy.MODES["coat"]
-    assert "fp8_swiglu=fused" in accuracy.MODES["coat_swiglu"]
+            assert sum(o.startswith("kernels.fp8_ops=") for o in overrides) == 1, mode
+    assert "kernels.fp8_ops=xla" in accuracy.MODES["coat_xla"]
+    assert "kernels.fp8_ops=auto" in accuracy.MODES["coat"]
+    assert "precision.fp8_swiglu=fused" in accuracy.MODES["coat_swiglu"]
     assert all(m in accuracy.MODE_TITLES for m in accuracy.MODES)

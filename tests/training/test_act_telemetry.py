@@ -42,7 +42,7 @@ DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 SMALL = [
     *tiny_run(hidden=32, intermediate=64, seq_len=16, batch_size=2),
     "kernels=xla",
-    "compilation_cache_dir=null",
+    "xla.compilation_cache_dir=null",
 ]
 
 
@@ -147,11 +147,15 @@ def group_summary(x, config: fp8_ops.FP8Config):
 @pytest.mark.parametrize(
     "extra",
     [
-        ["precision=coat"],
-        ["precision=coat", "fp8_attention=true", "fp8_group_scale=e8m0"],
-        ["precision=coat", "fp8_attention=true", "fp8_attention_backward=saved_output"],
-        ["precision=coat", "fp8_swiglu=fused"],
-        ["precision=fp8"],
+        ["precision.mode=coat"],
+        ["precision.mode=coat", "precision.fp8_attention=true", "precision.fp8_group_scale=e8m0"],
+        [
+            "precision.mode=coat",
+            "precision.fp8_attention=true",
+            "precision.fp8_attention_backward=saved_output",
+        ],
+        ["precision.mode=coat", "precision.fp8_swiglu=fused"],
+        ["precision.mode=fp8"],
     ],
     ids=["coat", "coat-fp8attn-e8m0", "coat-fp8attn-saved", "coat-fused-swiglu", "fp8"],
 )
@@ -237,9 +241,13 @@ def reference_scales():
 # With the capture test's unrolled layers without remat, every layer layout and remat policy
 # (the layerwise test adds the scan under "activations"), and both fp8_weight_residual modes.
 LAYOUTS = {
-    "unrolled-activations": ["remat=activations"],
-    "scan": ["scan_layers=true"],
-    "scan-full-master": ["scan_layers=true", "remat=full", "fp8_weight_residual=master"],
+    "unrolled-activations": ["memory.remat=activations"],
+    "scan": ["memory.scan_layers=true"],
+    "scan-full-master": [
+        "memory.scan_layers=true",
+        "memory.remat=full",
+        "precision.fp8_weight_residual=master",
+    ],
 }
 
 
@@ -280,9 +288,9 @@ def step_jaxpr(prog):
     ).jaxpr
 
 
-@pytest.mark.parametrize("layout", [[], ["scan_layers=true", "remat=activations"]])
+@pytest.mark.parametrize("layout", [[], ["memory.scan_layers=true", "memory.remat=activations"]])
 def test_without_the_telemetry_the_step_is_the_program_it_was(layout, monkeypatch):
-    cfg = config(*layout, "telemetry=false")
+    cfg = config(*layout, "logging.telemetry=false")
     before = str(step_jaxpr(build_program(cfg, cfg.model)))
 
     # The same program when nothing the activation telemetry added can run: the step without
@@ -310,14 +318,14 @@ def sizes_outside_conds(jaxpr) -> collections.Counter:
     return out
 
 
-@pytest.mark.parametrize("layout", [[], ["scan_layers=true", "remat=activations"]])
+@pytest.mark.parametrize("layout", [[], ["memory.scan_layers=true", "memory.remat=activations"]])
 def test_outside_its_conds_it_reads_no_activation(layout, monkeypatch):
     """Where the step does not compute it, the telemetry costs the conds on a flag and scalar
     work on the per-tensor scales and the conds' outputs: every equation it adds outside its
     conds reads at most a layer summary; the scales themselves only go into the conds (and
     through ``stop_gradient`` and, under a scanned remat, float32-to-float32
     ``reduce_precision``: identities, which compute nothing)."""
-    cfg = config(*layout, "telemetry=true")
+    cfg = config(*layout, "logging.telemetry=true")
     on = sizes_outside_conds(step_jaxpr(build_program(cfg, cfg.model)).jaxpr)
     # The same step with the optimizer state's telemetry alone.
     with monkeypatch.context() as patch:
@@ -365,7 +373,10 @@ def test_optimizer_in_backward_reports_the_scales_and_trains_as_without():
     """The layerwise step's own forward scan (under remat "activations") gives the scales of
     the unrolled model, on the steps the telemetry computes, and the same training."""
     cfg = config(
-        "scan_layers=true", "remat=activations", "grad_clip=null", "optimizer_in_backward=true"
+        "memory.scan_layers=true",
+        "memory.remat=activations",
+        "optimizer.grad_clip=null",
+        "optimizer.in_backward=true",
     )
     telemetry = ActivationTelemetry(every=3)
     prog, with_it = layerwise_step(cfg, telemetry)
@@ -455,13 +466,20 @@ def test_the_metrics_reduce_layers_microbatches_and_the_final_norm():
 
 
 def test_the_trainer_observes_fp8_activations_only():
-    assert activation_telemetry(config("telemetry=false")) is None
-    assert activation_telemetry(config("telemetry=true", "precision=bf16")) is None
-    telemetry = activation_telemetry(config("telemetry=true", "log_every=5", "steps=12"))
+    assert activation_telemetry(config("logging.telemetry=false")) is None
+    assert activation_telemetry(config("logging.telemetry=true", "precision.mode=bf16")) is None
+    telemetry = activation_telemetry(
+        config("logging.telemetry=true", "logging.every=5", "steps=12")
+    )
     assert telemetry == ActivationTelemetry(every=5, last_step=12, max_skipped=0)
     assert [s for s in range(1, 13) if telemetry.computes(s)] == [1, 5, 10, 12]
     with pytest.raises(ValueError, match="every must be a positive int, got 0"):
         ActivationTelemetry(every=0)
     # optimizer_in_backward still refuses telemetry (the optimizer state's needs the gradient).
-    with pytest.raises(ValueError, match="telemetry=false"):
-        config("scan_layers=true", "grad_clip=null", "optimizer_in_backward=true", "telemetry=true")
+    with pytest.raises(ValueError, match="logging.telemetry=false"):
+        config(
+            "memory.scan_layers=true",
+            "optimizer.grad_clip=null",
+            "optimizer.in_backward=true",
+            "logging.telemetry=true",
+        )

@@ -19,13 +19,13 @@ from tests.training.test_train import REPO
 def test_every_config_key_is_described_and_no_stale_descriptions():
     keys = config_keys()
     names = [k.name for k in keys]
-    assert {"steps", "model.hidden_size", "mesh.fsdp", "optimizer"} <= set(names)
+    assert {"steps", "model.hidden_size", "mesh.fsdp", "optimizer.name"} <= set(names)
     assert [k.name for k in keys if k.meaning == NO_DESCRIPTION] == []
     assert sorted(set(DESCRIPTIONS) - set(names)) == []
     by_name = {k.name: k for k in keys}
     assert (by_name["steps"].type, by_name["steps"].default) == ("int", 600)
-    assert by_name["precision"].type == "bf16|fp8|coat"
-    assert by_name["grad_clip"].type == "float or null"
+    assert by_name["precision.mode"].type == "bf16|fp8|coat"
+    assert by_name["optimizer.grad_clip"].type == "float or null"
 
 
 def test_train_help_lists_every_key_and_print_config_resolves():
@@ -38,7 +38,7 @@ def test_train_help_lists_every_key_and_print_config_resolves():
     assert (
         "model.hidden_size" in help_text and "int, 128: width of the residual stream" in help_text
     )
-    overrides = ["steps=7", "warmup_steps=1", "model.hidden_size=96", "mesh.fsdp=1"]
+    overrides = ["steps=7", "optimizer.warmup_steps=1", "model.hidden_size=96", "mesh.fsdp=1"]
     proc = subprocess.run(
         [sys.executable, "train.py", "--print-config", *overrides],
         cwd=REPO,

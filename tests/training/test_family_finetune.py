@@ -18,14 +18,14 @@ from tools.tiny_checkpoint import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK = [
-    "seq_len=32",
-    "batch_size=4",
-    "warmup_steps=1",
-    "log_every=1",
-    "eval_every=1000",
-    "checkpoint_every=1000",
-    "progress_bar=false",
-    "sample_prompt=null",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "optimizer.warmup_steps=1",
+    "logging.every=1",
+    "eval.every=1000",
+    "checkpoint.every=1000",
+    "logging.progress_bar=false",
+    "logging.sample_prompt=null",
 ]
 
 
@@ -35,7 +35,10 @@ def test_qwen2_fine_tunes_from_init_from_resumes_bit_for_bit_and_exports(tmp_pat
 
     def config(out, *extra):
         overrides = [f"init_from={tmp_path / 'hf'}", f"output_dir={tmp_path / out}", *QUICK]
-        overrides += [f"cache_dir={tmp_path}/tokens", f"compilation_cache_dir={tmp_path}/jax"]
+        overrides += [
+            f"data.cache_dir={tmp_path}/tokens",
+            f"xla.compilation_cache_dir={tmp_path}/jax",
+        ]
         return load_config(REPO / "configs" / "qwen2_tiny_finetune.yaml", [*overrides, *extra])
 
     straight = train(config("straight", "steps=3"))

@@ -25,7 +25,13 @@ from tests.tiny_runs import compilation_cache, pallas_interpret, tiny_run
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "configs" / "default.yaml"
 # Scanned layers, the trainer's remat policy for COAT, no clipping (the layerwise step has none).
-BASE = [*tiny_run(), "scan_layers=true", "remat=activations", "grad_clip=null", "kernels=xla"]
+BASE = [
+    *tiny_run(),
+    "memory.scan_layers=true",
+    "memory.remat=activations",
+    "optimizer.grad_clip=null",
+    "kernels=xla",
+]
 
 
 def program(*extra):
@@ -102,20 +108,24 @@ GPU_BOUNDS = {"first": 1e-4, "loss": 1e-3, "grad_norm": 1e-2, "params": 3e-2}
 @pytest.mark.parametrize(
     "extra",
     [
-        ["precision=coat", "optimizer=coat_adamw"],
-        ["precision=coat", "optimizer=coat_adamw", "fp8_weight_residual=master"],
-        ["precision=coat", "optimizer=coat_adamw", "fused_apply=false"],
-        ["precision=bf16", "optimizer=adamw"],
-        # Tied head: the embedding's gradient adds the head's and the lookup's.
-        ["precision=coat", "optimizer=coat_adamw", "model.tie_word_embeddings=true"],
+        ["precision.mode=coat", "optimizer.name=coat_adamw"],
         [
-            "precision=coat",
-            "optimizer=coat_adamw",
-            "loss_chunk_size=64",
-            "fp8_attention=true",
-            "fp8_weight_residual=fp8",
+            "precision.mode=coat",
+            "optimizer.name=coat_adamw",
+            "precision.fp8_weight_residual=master",
         ],
-        ["precision=fp8", "optimizer=lion"],
+        ["precision.mode=coat", "optimizer.name=coat_adamw", "optimizer.fused_apply=false"],
+        ["precision.mode=bf16", "optimizer.name=adamw"],
+        # Tied head: the embedding's gradient adds the head's and the lookup's.
+        ["precision.mode=coat", "optimizer.name=coat_adamw", "model.tie_word_embeddings=true"],
+        [
+            "precision.mode=coat",
+            "optimizer.name=coat_adamw",
+            "memory.loss_chunk_size=64",
+            "precision.fp8_attention=true",
+            "precision.fp8_weight_residual=fp8",
+        ],
+        ["precision.mode=fp8", "optimizer.name=lion"],
     ],
     ids=[
         "coat",
@@ -129,7 +139,7 @@ GPU_BOUNDS = {"first": 1e-4, "loss": 1e-3, "grad_norm": 1e-2, "params": 3e-2}
 )
 def test_equals_the_plain_step(extra):
     plain = run_steps(program(*extra))
-    layerwise = run_steps(program(*extra, "optimizer_in_backward=true"))
+    layerwise = run_steps(program(*extra, "optimizer.in_backward=true"))
     assert_same_training(layerwise, plain, GPU_BOUNDS if ON_GPU else None)
     assert plain[2][0][0] > plain[2][-1][0]  # it trains
     assert isinstance(layerwise[1], LayerwiseState)
@@ -139,7 +149,7 @@ def test_equals_the_plain_step(extra):
 def test_the_gpu_bounds_catch_a_missed_update():
     # The negative control of the GPU's bounds (on the CPU): the plain step with one layer's
     # last update left out is far outside them.
-    prog = program("precision=coat", "optimizer=coat_adamw")
+    prog = program("precision.mode=coat", "optimizer.name=coat_adamw")
     plain, two = run_steps(prog), run_steps(prog, steps=2)
     layers = jax.tree.map(lambda a, b: a.at[0].set(b[0]), plain[0]["layers"], two[0]["layers"])
     missed = ({**plain[0], "layers": layers}, None, plain[2])
@@ -160,20 +170,20 @@ WHOLE_GROUPS = [
 def test_pallas_kernels_in_the_backward_scan(shape):
     """The fused coat_adamw kernel and the FP8 kernels (Pallas interpret) inside the scan: on
     slices of the stacks (short groups) or inside them (whole groups)."""
-    extra = ["kernels=auto", "model.num_hidden_layers=1", "batch_size=2", *shape]
+    extra = ["kernels=auto", "model.num_hidden_layers=1", "data.batch_size=2", *shape]
     if shape:
-        extra += ["model.num_hidden_layers=2", "seq_len=16"]
+        extra += ["model.num_hidden_layers=2", "data.seq_len=16"]
     with pallas_interpret():
-        plain, layerwise = program(*extra), program(*extra, "optimizer_in_backward=true")
+        plain, layerwise = program(*extra), program(*extra, "optimizer.in_backward=true")
     plain = run_steps(plain, steps=2)
     layerwise = run_steps(layerwise, steps=2)
     assert_same_training(layerwise, plain)
 
 
 def test_bfloat16_masters():
-    extra = ["master_dtype=bfloat16"]
+    extra = ["precision.master_dtype=bfloat16"]
     plain = run_steps(program(*extra))
-    params, state, out = run_steps(program(*extra, "optimizer_in_backward=true"))
+    params, state, out = run_steps(program(*extra, "optimizer.in_backward=true"))
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     # The first loss precedes any update; later ones differ by the stochastic rounding's draws.
     assert out[0][0] == plain[2][0][0]
@@ -212,8 +222,8 @@ def test_weight_codes_made_once_are_not_stacked_again():
     # fp8_weight_residual "once": the stacked codes are made before the forward scan and read
     # back by index in backward; "fp8" stacks forward's codes as the scan's residuals (so the
     # check can fail).
-    once = program("optimizer_in_backward=true", "fp8_weight_residual=once")
-    fp8 = program("optimizer_in_backward=true", "fp8_weight_residual=fp8")
+    once = program("optimizer.in_backward=true", "precision.fp8_weight_residual=once")
+    fp8 = program("optimizer.in_backward=true", "precision.fp8_weight_residual=fp8")
     assert _stacked_fp8_outputs(once) == []
     assert len(_stacked_fp8_outputs(fp8)) == 7
 
@@ -260,11 +270,16 @@ def test_the_kernel_steps_each_layer_inside_the_stacks(kernels):
     backward scan; the unfused step slices and writes back (so the check can fail). The XLA
     reference path slices inside its apply (XLA fuses those into in-place updates)."""
     # E5M2 moments: the stacked weight codes the backward reads by index are E4M3.
-    extra = [*WHOLE_GROUPS, "optimizer_in_backward=true", "mu_format=e5m2", "nu_format=e5m2"]
+    extra = [
+        *WHOLE_GROUPS,
+        "optimizer.in_backward=true",
+        "optimizer.mu_format=e5m2",
+        "optimizer.nu_format=e5m2",
+    ]
     extra += ["kernels=auto"] if kernels == "interpret" else ["kernels=xla"]
     mode = pallas_interpret() if kernels == "interpret" else contextlib.nullcontext()
     with mode:
-        fused, unfused = program(*extra), program(*extra, "fused_apply=false")
+        fused, unfused = program(*extra), program(*extra, "optimizer.fused_apply=false")
     in_place = _slices_of_fp8_stacks(fused)
     unfused = _slices_of_fp8_stacks(unfused)
     assert unfused
@@ -288,9 +303,14 @@ def test_keeps_no_stacked_gradient_or_parameter_copy():
     On the CPU the FP8 moments are still copied per layer (they are computed in float16 there),
     which is under a layer's float32 parameters.
     """
-    model = ["model.hidden_size=256", "model.intermediate_size=512", "seq_len=16", "batch_size=1"]
+    model = [
+        "model.hidden_size=256",
+        "model.intermediate_size=512",
+        "data.seq_len=16",
+        "data.batch_size=1",
+    ]
     growth = {}
-    for name, extra in (("plain", []), ("layerwise", ["optimizer_in_backward=true"])):
+    for name, extra in (("plain", []), ("layerwise", ["optimizer.in_backward=true"])):
         temps = [
             _compiled_temp_bytes(program(*model, *extra, f"model.num_hidden_layers={n}"))
             for n in (2, 6)
@@ -306,30 +326,30 @@ def test_keeps_no_stacked_gradient_or_parameter_copy():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["grad_clip=1.0"], r"grad_clip=null"),
-        (["scan_layers=false"], r"scan_layers=true"),
-        (["grad_accum=2"], r"grad_accum=1"),
-        (["skip_nonfinite_steps=2"], r"skip_nonfinite_steps=0"),
-        (["telemetry=true"], r"telemetry=false"),
+        (["optimizer.grad_clip=1.0"], r"optimizer.grad_clip=null"),
+        (["memory.scan_layers=false"], r"memory.scan_layers=true"),
+        (["data.grad_accum=2"], r"data.grad_accum=1"),
+        (["optimizer.skip_nonfinite_steps=2"], r"optimizer.skip_nonfinite_steps=0"),
+        (["logging.telemetry=true"], r"logging.telemetry=false"),
     ],
 )
 def test_what_needs_the_whole_gradient_is_refused(extra, message):
-    with pytest.raises(ValueError, match=rf"optimizer_in_backward=true needs .*{message}"):
-        load_config(DEFAULT, [*BASE, "optimizer_in_backward=true", *extra])
+    with pytest.raises(ValueError, match=rf"optimizer.in_backward=true needs .*{message}"):
+        load_config(DEFAULT, [*BASE, "optimizer.in_backward=true", *extra])
 
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("caches")
-    return [f"cache_dir={root}/tokens", compilation_cache(f"{root}/jax")]
+    return [f"data.cache_dir={root}/tokens", compilation_cache(f"{root}/jax")]
 
 
 def test_resume_is_bit_exact_and_other_checkpoints_are_refused(tmp_path, caches):
     run = lambda out, *extra: load_config(
-        DEFAULT, [*BASE, *caches, f"output_dir={out}", "optimizer_in_backward=true", *extra]
+        DEFAULT, [*BASE, *caches, f"output_dir={out}", "optimizer.in_backward=true", *extra]
     )
     straight = train(run(tmp_path / "straight", "steps=6"))
-    train(run(tmp_path / "split", "steps=6", "checkpoint_every=3"), stop_at=3)
+    train(run(tmp_path / "split", "steps=6", "checkpoint.every=3"), stop_at=3)
     resumed = train(run(tmp_path / "split", "steps=6", "resume=true"))
     assert resumed.step == 6
     for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params), strict=True):
@@ -357,7 +377,7 @@ from coat_jax.training.sharding import make_mesh
 
 args = json.loads(ARGS)
 out = {}
-for name, extra in (("plain", []), ("layerwise", ["optimizer_in_backward=true"])):
+for name, extra in (("plain", []), ("layerwise", ["optimizer.in_backward=true"])):
     cfg = load_config(args["config"], args["overrides"] + extra)
     prog = build_program(cfg, cfg.model, make_mesh(2, 4))
     params = prog.init_params(jax.random.key(0))
@@ -385,14 +405,14 @@ print("REPORT" + json.dumps(out))
         ([], False),
         (["kernels=auto", "model.num_hidden_layers=1"], True),
         # The kernel steps each layer inside the stacks, per shard.
-        (["kernels=auto", *WHOLE_GROUPS, "seq_len=16", "mu_format=e5m2"], True),
+        (["kernels=auto", *WHOLE_GROUPS, "data.seq_len=16", "optimizer.mu_format=e5m2"], True),
     ],
     ids=["xla", "pallas-per-shard", "pallas-in-place-per-shard"],
 )
 def test_eight_devices_match_the_plain_step(extra, interpret):
     """On a (data 2, fsdp 4) mesh; with the Pallas kernels (interpret mode) each runs per shard
     under shard_map, coat_adamw's with one layer's partition specs."""
-    args = {"config": str(DEFAULT), "overrides": [*BASE, "compute_dtype=float32", *extra]}
+    args = {"config": str(DEFAULT), "overrides": [*BASE, "precision.compute_dtype=float32", *extra]}
     with pallas_interpret() if interpret else contextlib.nullcontext():
         stdout = run_on_fake_devices(f"ARGS = {json.dumps(args)!r}\n" + EIGHT_DEVICES, timeout=600)
     report = json.loads(stdout.split("REPORT", 1)[1])

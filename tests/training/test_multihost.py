@@ -161,9 +161,9 @@ def test_one_process_stops_on_its_own_signal_at_once():
 RUN = [
     *tiny_run(layers=1),
     "steps=4",
-    "eval_batches=1",
-    "compute_dtype=float32",
-    "compilation_cache_dir=null",
+    "eval.batches=1",
+    "precision.compute_dtype=float32",
+    "xla.compilation_cache_dir=null",
     "mesh.data=2",
     "mesh.fsdp=4",
 ]
@@ -192,7 +192,7 @@ def _start(
     name = f"{out.name}{tag}.{extra_env.get('COAT_JAX_PROCESS_ID', 'single')}.log"
     log = open(out.parent / name, "w")
     return subprocess.Popen(
-        [sys.executable, "train.py", *RUN, f"output_dir={out}", f"cache_dir={cache}", *args],
+        [sys.executable, "train.py", *RUN, f"output_dir={out}", f"data.cache_dir={cache}", *args],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -313,7 +313,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(tmp_path
     # until the timeouts below.
     cache, out = tmp_path / "tokens", tmp_path / "run"
     # A shared compilation cache: the resumed run compiles less (about 10 s here).
-    xla = f"compilation_cache_dir={tmp_path / 'xla'}"
+    xla = f"xla.compilation_cache_dir={tmp_path / 'xla'}"
     procs = _two_processes(out, cache, ["steps=100000", xla])
     try:
         deadline = time.monotonic() + 240
@@ -353,7 +353,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(tmp_path
 
     # Both processes resume from it and finish a short run (no final save: it is not what is
     # tested here, and it costs seconds).
-    args = [f"steps={saved + 2}", "resume=true", "save_final=false", xla]
+    args = [f"steps={saved + 2}", "resume=true", "checkpoint.save_final=false", xla]
     procs = _two_processes(out, cache, args, ".resumed")
     _wait(procs, tmp_path, timeout=180)
     assert f"resumed from step {saved} in" in (out / "train.log").read_text()

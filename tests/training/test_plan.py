@@ -15,7 +15,7 @@ from tests.training.test_train import REPO, TINY
 
 def _cfg(*extra):
     return load_config(
-        REPO / "configs" / "default.yaml", [*TINY, "compilation_cache_dir=null", *extra]
+        REPO / "configs" / "default.yaml", [*TINY, "xla.compilation_cache_dir=null", *extra]
     )
 
 
@@ -44,7 +44,7 @@ def test_largest_batch_search_against_a_device_limit(monkeypatch):
 
 def test_train_py_plan_prints_a_table():
     out = subprocess.run(
-        [sys.executable, "train.py", "--plan", "2", *TINY, "compilation_cache_dir=null"],
+        [sys.executable, "train.py", "--plan", "2", *TINY, "xla.compilation_cache_dir=null"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -91,5 +91,5 @@ def test_the_plan_compiles_the_step_that_the_data_needs(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(plan_mod, "build_program", build_program)
     with pytest.raises(_Built):
-        plan_mod.plan_memory(_cfg(f"data_path={data}"), [2])
+        plan_mod.plan_memory(_cfg(f"data.path={data}"), [2])
     assert built == {"loss_mask": chat, "within_documents": chat}

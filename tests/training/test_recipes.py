@@ -16,6 +16,7 @@ from coat_jax import recipes
 from coat_jax.training import plan, train
 from coat_jax.training.cli import annotated_config, config_help, config_sources
 from coat_jax.training.config import load_config, to_dict
+from coat_jax.training.config_names import field_of
 from coat_jax.training.metrics import MetricsLog, WandbWriter
 from coat_jax.training.program import build_program
 from tests.tiny_runs import tiny_run
@@ -25,7 +26,7 @@ DEFAULT = REPO / "configs" / "default.yaml"
 # The smallest model the recipes all take (coat_max_batch scans the layers).
 TINY = [
     *tiny_run(hidden=32, intermediate=64, layers=1, heads=2, kv_heads=1, seq_len=16, batch_size=2),
-    "compilation_cache_dir=null",
+    "xla.compilation_cache_dir=null",
 ]
 
 
@@ -34,7 +35,7 @@ def test_each_recipe_resolves_to_its_documented_settings():
     for name in recipes.RECIPES:
         cfg = load_config(DEFAULT, [f"recipe={name}"])
         for key, value in recipes.settings(name).items():
-            assert getattr(cfg, key) == value, (name, key)
+            assert getattr(cfg, field_of(key)) == value, (name, key)
         doc = recipes.RECIPES[name].__doc__
         pages = re.findall(r"docs/\w+\.md", doc)
         assert pages and all((REPO / p).is_file() for p in pages), (name, pages)
@@ -46,24 +47,27 @@ def test_each_recipe_resolves_to_its_documented_settings():
 
 def test_explicit_keys_override_a_recipe_and_print_config_names_each_source(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("base: " + str(DEFAULT) + "\nrecipe: coat_max_batch\nfp8_swiglu: coat\n")
-    overrides = ["steps=7", "fp8_group_scale=float32"]
+    config.write_text(
+        "base: " + str(DEFAULT) + "\nrecipe: coat_max_batch\nprecision.fp8_swiglu: coat\n"
+    )
+    overrides = ["steps=7", "precision.fp8_group_scale=float32"]
     cfg = load_config(config, overrides)
     assert (cfg.fp8_swiglu, cfg.fp8_group_scale, cfg.steps) == ("coat", "float32", 7)
     assert cfg.optimizer_in_backward and cfg.grad_clip is None  # the recipe's
     sources = config_sources(cfg, config, overrides)
-    assert sources["fp8_swiglu"] == sources["seq_len"] == f"file {config}"
-    assert sources["steps"] == sources["fp8_group_scale"] == "command line"
-    assert sources["optimizer_in_backward"] == "recipe coat_max_batch"
+    assert sources["precision.fp8_swiglu"] == sources["data.seq_len"] == f"file {config}"
+    assert sources["steps"] == sources["precision.fp8_group_scale"] == "command line"
+    assert sources["optimizer.in_backward"] == "recipe coat_max_batch"
     assert sources["reschedule"] == "default" and sources["model.hidden_size"] == f"file {config}"
     printed = annotated_config(cfg, sources)
     assert yaml.safe_load(printed) == to_dict(cfg)
     assert "fp8_swiglu: coat" in printed and "# recipe coat_max_batch" in printed
     # A key that contradicts the recipe is refused in one line that names what the recipe set.
     with pytest.raises(
-        ValueError, match=r"grad_accum=1 .*\(recipe coat_max_batch sets .*optimizer_in"
+        ValueError,
+        match=r"data.grad_accum=1 .*\(recipe coat_max_batch sets .*optimizer.in_backward",
     ):
-        load_config(DEFAULT, ["recipe=coat_max_batch", "grad_accum=2"])
+        load_config(DEFAULT, ["recipe=coat_max_batch", "data.grad_accum=2"])
 
 
 def test_help_lines_fit_100_columns_and_list_the_recipes():
@@ -102,21 +106,23 @@ def test_recipe_run_with_profile_and_short_warmup(tmp_path):
             *TINY,
             "recipe=coat_max_batch",
             "steps=3",
-            "warmup_steps=50",
-            "save_final=false",
-            "eval_batches=1",
-            "profile_steps=[2, 3]",
+            "optimizer.warmup_steps=50",
+            "checkpoint.save_final=false",
+            "eval.batches=1",
+            "logging.profile_steps=[2, 3]",
             f"output_dir={tmp_path}",
         ],
     )
     assert cfg.profile_steps == (2, 3)
     result = train(cfg, say=said.append)
     assert result.step == 3 and np.isfinite(result.val_loss)
-    assert any("warmup_steps=50 is not below steps=3: the warmup shrinks to 0" in s for s in said)
+    assert any(
+        "optimizer.warmup_steps=50 is not below steps=3: the warmup shrinks to 0" in s for s in said
+    )
     assert list((tmp_path / "profile").rglob("*.xplane.pb")), "no trace written"
     assert any("profile of steps 2 to 3" in s for s in said)
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert written["recipe"] == "coat_max_batch" and written["profile_steps"] == [2, 3]
+    assert written["recipe"] == "coat_max_batch" and written["logging"]["profile_steps"] == [2, 3]
 
 
 def test_unknown_key_gets_close_matches_and_the_help():
@@ -128,7 +134,7 @@ def test_unknown_key_gets_close_matches_and_the_help():
 
 
 def test_batch_size_auto_fits_a_fake_limit_and_is_refused_without_one():
-    cfg = load_config(DEFAULT, [*TINY, "recipe=bf16", "batch_size=auto"])
+    cfg = load_config(DEFAULT, [*TINY, "recipe=bf16", "data.batch_size=auto"])
     with pytest.raises(ValueError, match="backend reports none; set batch_size to a number"):
         plan.resolve_batch(cfg)
     # The limit: the peak of batch 1. Batch 2's program is the bf16 recipe test's (TINY), which
@@ -139,7 +145,7 @@ def test_batch_size_auto_fits_a_fake_limit_and_is_refused_without_one():
     auto = plan.resolve_batch(cfg, limit=limit, say=said.append)
     assert (auto.batch_size, auto.grad_accum) == (1, 1)
     assert said == [
-        "batch_size=auto: 1, the largest batch whose compiled step fits the device's "
+        "data.batch_size=auto: 1, the largest batch whose compiled step fits the device's "
         f"{limit / 2**30:.2f} GiB (2 compiles)"
     ]
     with pytest.raises(ValueError, match="not even batch 1 fits the device's"):
@@ -155,16 +161,18 @@ def test_batch_size_auto_keeps_global_batch_size_by_accumulation(monkeypatch):
         return 100 * batch + program.cfg.grad_accum
 
     monkeypatch.setattr(plan, "compiled_peak", peak)
-    cfg = load_config(DEFAULT, [*TINY, "batch_size=auto", "global_batch_size=12"])
+    cfg = load_config(DEFAULT, [*TINY, "data.batch_size=auto", "data.global_batch_size=12"])
     auto = plan.resolve_batch(cfg, limit=450, say=lambda s: None)
     assert (auto.batch_size, auto.grad_accum) == (4, 3)  # 12 = 4 x 3; 6 would need 600
     assert all(12 % b == 0 and b * a == 12 for b, a in compiled)
-    fixed = plan.resolve_batch(load_config(DEFAULT, [*TINY, "global_batch_size=8"]))
+    fixed = plan.resolve_batch(load_config(DEFAULT, [*TINY, "data.global_batch_size=8"]))
     assert (fixed.batch_size, fixed.grad_accum) == (2, 4)
     with pytest.raises(ValueError, match="sets grad_accum itself; leave grad_accum at 1"):
         plan.resolve_batch(dataclasses.replace(cfg, grad_accum=2), limit=450)
-    with pytest.raises(ValueError, match="global_batch_size=7 must be batch_size=2 times"):
-        plan.resolve_batch(load_config(DEFAULT, [*TINY, "global_batch_size=7"]))
+    with pytest.raises(
+        ValueError, match="data.global_batch_size=7 must be data.batch_size=2 times"
+    ):
+        plan.resolve_batch(load_config(DEFAULT, [*TINY, "data.global_batch_size=7"]))
 
 
 # ----------------------------------------------------------------------------- writers

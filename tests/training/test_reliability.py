@@ -45,7 +45,7 @@ quiet = lambda line: None
 
 MINI = [
     *tiny_run(hidden=32, intermediate=64, layers=1, heads=2, kv_heads=1, seq_len=16, batch_size=4),
-    "eval_batches=2",
+    "eval.batches=2",
 ]
 
 
@@ -58,8 +58,8 @@ def caches(tmp_path_factory) -> dict:
     return {
         "dir": root,
         "overrides": [
-            f"data_path={root / 'corpus.txt'}",
-            f"cache_dir={root / 'tokens'}",
+            f"data.path={root / 'corpus.txt'}",
+            f"data.cache_dir={root / 'tokens'}",
             compilation_cache(root / "jax"),
         ],
     }
@@ -280,7 +280,7 @@ def test_skip_nonfinite_leaves_the_state_alone_on_a_bad_gradient():
 def test_kill_9_during_a_checkpoint_write_and_a_second_trainer(tmp_path, caches):
     # The child trainer's write of checkpoint 8 never finishes, so it holds the lock (and
     # hangs at its next save, which waits for that one) until it is killed.
-    run = (LONG, "checkpoint_every=4")
+    run = (LONG, "checkpoint.every=4")
     straight = train(mini(tmp_path / "straight", caches, *run), stop_at=12, say=quiet)
     out, marker = tmp_path / "killed", tmp_path / "writing"
     first = child(
@@ -335,7 +335,7 @@ def test_a_size_limited_disk_is_an_error_and_older_checkpoints_survive(
     # A disk that holds two and a half checkpoints: steps 2 and 4 fit; 6 does not (a warning,
     # training goes on) and neither does the last one at 8 (the error that ends the run).
     out = tmp_path / "run"
-    cfg = mini(out, caches, LONG, "checkpoint_every=2", "keep_checkpoints=5")
+    cfg = mini(out, caches, LONG, "checkpoint.every=2", "checkpoint.keep=5")
     from coat_jax.training.program import build_program
 
     program = build_program(cfg, cfg.model)
@@ -381,7 +381,7 @@ def test_a_size_limited_disk_is_an_error_and_older_checkpoints_survive(
 def test_sigterm_saves_within_a_step(tmp_path, caches):
     out = tmp_path / "run"
     # log_every=1000: the loss is still checked at every step (bounded dispatch), not logged.
-    proc = child("train.py", *mini_args(out, caches, LONG, "log_every=1000"))
+    proc = child("train.py", *mini_args(out, caches, LONG, "logging.every=1000"))
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists() and records(out), proc)
         proc.send_signal(signal.SIGTERM)
@@ -404,7 +404,9 @@ def test_sigterm_during_the_first_compilation_stops_at_once(tmp_path, caches):
     # No compilation cache (the trainer's nor the test run's): the first step compiles for
     # seconds, and the signal comes in them.
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    proc = child("train.py", *mini_args(out, caches, LONG, "compilation_cache_dir=null"), env=env)
+    proc = child(
+        "train.py", *mini_args(out, caches, LONG, "xla.compilation_cache_dir=null"), env=env
+    )
     try:
         for line in proc.stdout:
             if "compiling the train step" in line:
@@ -458,13 +460,13 @@ def _bad_inputs(tmp_path) -> dict:
             r"complete Llama config\.json",
         ),
         "data not UTF-8": (
-            [f"data_path={tmp_path / 'latin1.txt'}"],
+            [f"data.path={tmp_path / 'latin1.txt'}"],
             r"data file '.*latin1\.txt' is not UTF-8 text \(byte 3: invalid continuation byte\); "
             r"convert it to UTF-8",
         ),
         "seq_len too long": (
-            ["seq_len=4096"],
-            r"seq_len=4096 is longer than model\.max_position_embeddings=2048; lower seq_len",
+            ["data.seq_len=4096"],
+            r"data.seq_len=4096 is longer than model\.max_position_embeddings=2048; lower seq_len",
         ),
         "another run's files": (
             [f"output_dir={other}"],
@@ -508,7 +510,7 @@ def test_bad_input_is_one_line_exit_code_2_and_changes_no_file(tmp_path, caches,
 def test_a_diverged_run_exits_3_naming_the_newest_finite_checkpoint(tmp_path, caches, capsys):
     out = tmp_path / "run"
     code, err = run_main(
-        capsys, mini_args(out, caches, LONG, "learning_rate=1e6", "checkpoint_every=2")
+        capsys, mini_args(out, caches, LONG, "optimizer.learning_rate=1e6", "checkpoint.every=2")
     )
     assert code == 3, err
     assert err.count("\n") == 1 and err.startswith("error: DivergedError: "), err
@@ -528,15 +530,15 @@ def test_a_diverged_run_exits_3_naming_the_newest_finite_checkpoint(tmp_path, ca
 def test_skip_nonfinite_steps_skips_counts_and_then_stops(tmp_path, caches, capsys):
     # learning_rate=1e6 makes every step from the 4th on non-finite; three are skipped.
     out = tmp_path / "run"
-    args = mini_args(out, caches, LONG, "learning_rate=1e6", "checkpoint_every=2")
-    code, err = run_main(capsys, [*args, "skip_nonfinite_steps=3"])
+    args = mini_args(out, caches, LONG, "optimizer.learning_rate=1e6", "checkpoint.every=2")
+    code, err = run_main(capsys, [*args, "optimizer.skip_nonfinite_steps=3"])
     assert code == 3, err
     skipped = {r["step"]: r["skipped_steps"] for r in records(out)}
     first = min(s for s, n in skipped.items() if n == 1)
     assert [skipped[first + i] for i in range(3)] == [1, 2, 3]
     assert all("loss" not in r for r in records(out) if r["step"] >= first)
     assert f"step {first + 3} is non-finite" in err
-    assert "4 such steps, more than skip_nonfinite_steps=3" in err
+    assert "4 such steps, more than optimizer.skip_nonfinite_steps=3" in err
     # A skipped step leaves the state as it was: the checkpoints after the first skip are equal.
     saved = [s for s in (int(n) for n in step_dirs(out)) if s >= first]
     assert len(saved) >= 2, step_dirs(out)
@@ -579,7 +581,8 @@ def test_resume_keeps_the_schedule_unless_asked_and_overwrite_replaces_a_run(tmp
         train(mini(keep, caches, "steps=20"), say=quiet)
     lines = []
     result = train(
-        mini(keep, caches, "steps=20", "overwrite=true", "save_final=false"), say=lines.append
+        mini(keep, caches, "steps=20", "overwrite=true", "checkpoint.save_final=false"),
+        say=lines.append,
     )
     assert result.step == 20 and step_dirs(keep) == []
     assert any(
@@ -591,7 +594,7 @@ def test_resume_keeps_the_schedule_unless_asked_and_overwrite_replaces_a_run(tmp
 
 @pytest.mark.slow
 def test_soak_2000_steps_with_checkpoints_and_resumes_equal_the_straight_run(tmp_path, caches):
-    run = ("steps=2000", "checkpoint_every=50", "eval_every=100000")
+    run = ("steps=2000", "checkpoint.every=50", "eval.every=100000")
     quiet = lambda line: None
     started = time.perf_counter()
     straight = train(mini(tmp_path / "straight", caches, *run), say=quiet)

@@ -430,11 +430,11 @@ def test_every_trainer_optimizer_tells_the_step():
     # conds give the metrics of the every-step telemetry, same keys, same dtypes.
     params = {"embed_tokens": jnp.ones((8, 128)), "layers": [{"w": jnp.ones((128, 256))}]}
     for optimizer, extra in [
-        ("coat_adamw", ["skip_nonfinite_steps=2"]),
-        *[(o, ["fp8_state=true"]) for o in ("adamw", "lion", "sgd", "adafactor", "muon")],
-        ("adamw", ["master_dtype=bfloat16"]),
+        ("coat_adamw", ["optimizer.skip_nonfinite_steps=2"]),
+        *[(o, ["optimizer.fp8_state=true"]) for o in ("adamw", "lion", "sgd", "adafactor", "muon")],
+        ("adamw", ["precision.master_dtype=bfloat16"]),
     ]:
-        cfg = load_config(None, [f"optimizer={optimizer}", "telemetry=true", *extra])
+        cfg = load_config(None, [f"optimizer.name={optimizer}", "logging.telemetry=true", *extra])
         tx = make_optimizer(cfg, program.make_schedule(cfg))
         tx = tx if cfg.master_dtype == "float32" else with_rounding_count(tx)
         telemetry = state_telemetry(cfg, program.make_schedule(cfg))
@@ -472,19 +472,19 @@ def trainer_runs(tmp_path_factory, cache_dir):
     log_every), and with the trainer's own, stopped at ``STOP`` and resumed (and TensorBoard's
     scalars of that run)."""
     root = tmp_path_factory.mktemp("telemetry_runs")
-    flags = [f"steps={STEPS_RUN}", f"log_every={LOG_EVERY}", "model.num_hidden_layers=1"]
+    flags = [f"steps={STEPS_RUN}", f"logging.every={LOG_EVERY}", "model.num_hidden_layers=1"]
 
     def records(out):
         lines = (out / "metrics.jsonl").read_text().splitlines()
         return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
 
-    train(tiny(root / "off", cache_dir, *flags, "telemetry=false"))
+    train(tiny(root / "off", cache_dir, *flags, "logging.telemetry=false"))
     own = program.state_telemetry
     every_step = lambda cfg, schedule: dataclasses.replace(own(cfg, schedule), every=1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(program, "state_telemetry", every_step)
-        train(tiny(root / "every", cache_dir, *flags, "telemetry=true"))
-    split = [*flags, "telemetry=true", "tensorboard=true"]
+        train(tiny(root / "every", cache_dir, *flags, "logging.telemetry=true"))
+    split = [*flags, "logging.telemetry=true", "logging.tensorboard=true"]
     train(tiny(root / "split", cache_dir, *split), stop_at=STOP)
     train(tiny(root / "split", cache_dir, *split, "resume=true"))
     runs = {name: records(root / name) for name in ("off", "every", "split")}

@@ -33,7 +33,7 @@ from tests.tiny_runs import compilation_cache, tiny_run
 
 REPO = Path(__file__).resolve().parents[2]
 
-TINY = [*tiny_run(), "learning_rate=3e-3", "eval_batches=2"]
+TINY = [*tiny_run(), "optimizer.learning_rate=3e-3", "eval.batches=2"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def cache_dir(tmp_path_factory):
 
 
 def cache_overrides(cache_dir) -> list[str]:
-    return [f"cache_dir={cache_dir}/tokens", compilation_cache(f"{cache_dir}/jax")]
+    return [f"data.cache_dir={cache_dir}/tokens", compilation_cache(f"{cache_dir}/jax")]
 
 
 def tiny(out, cache_dir, *extra):
@@ -95,7 +95,7 @@ def test_every_shipped_config_loads():
 def test_base_inheritance_and_overrides(tmp_path):
     (tmp_path / "base.yaml").write_text("steps: 77\nmodel:\n  hidden_size: 96\n")
     (tmp_path / "child.yaml").write_text("base: base.yaml\nmodel:\n  num_hidden_layers: 3\n")
-    cfg = load_config(tmp_path / "child.yaml", ["learning_rate=1e-4", "mesh.fsdp=2"])
+    cfg = load_config(tmp_path / "child.yaml", ["optimizer.learning_rate=1e-4", "mesh.fsdp=2"])
     assert cfg.steps == 77 and cfg.model.hidden_size == 96 and cfg.model.num_hidden_layers == 3
     assert cfg.learning_rate == 1e-4 and cfg.mesh.fsdp == 2
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
@@ -110,19 +110,19 @@ def test_base_inheritance_and_overrides(tmp_path):
         ("stepz=10", r"unknown config key\(s\) stepz; did you mean steps\? python train.py --help"),
         ("model.hidden=8", r"unknown config key\(s\) model.hidden; did you mean model.hidden_size"),
         (
-            "precision=fp16",
-            r"precision='fp16' is not valid; choose one of \['bf16', 'fp8', 'coat'\]",
+            "precision.mode=fp16",
+            r"precision.mode='fp16' is not valid; choose one of \['bf16', 'fp8', 'coat'\]",
         ),
-        ("optimizer=rmsprop", r"choose one of \['adamw', 'coat_adamw', 'lion'"),
+        ("optimizer.name=rmsprop", r"choose one of \['adamw', 'coat_adamw', 'lion'"),
         ("steps=1.5", r"steps=1.5 is not valid; expected int"),
         ("resume=yes please", r"expected bool"),
-        ("learning_rate=-1", r"learning_rate must be > 0"),
-        ("warmup_steps=-1", r"warmup_steps must be >= 0"),
-        ("b2=1.0", r"b2 must be in \[0, 1\)"),
+        ("optimizer.learning_rate=-1", r"learning_rate must be > 0"),
+        ("optimizer.warmup_steps=-1", r"warmup_steps must be >= 0"),
+        ("optimizer.b2=1.0", r"b2 must be in \[0, 1\)"),
         ("steps", r"not of the form key=value"),
-        ("val_documents=[a", r"the value is not valid YAML .*; quote it"),
-        ("val_documents= , ", r"the value is not valid YAML"),
-        ("val_documents=' , '", r"val_documents must name documents"),
+        ("data.val_documents=[a", r"the value is not valid YAML .*; quote it"),
+        ("data.val_documents= , ", r"the value is not valid YAML"),
+        ("data.val_documents=' , '", r"val_documents must name documents"),
     ],
 )
 def test_bad_config_is_a_clear_error(override, message):
@@ -130,11 +130,15 @@ def test_bad_config_is_a_clear_error(override, message):
         load_config(REPO / "configs" / "default.yaml", [override])
 
 
-def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
-    with pytest.raises(ValueError, match="precision=bf16 has none"):
-        load_config(REPO / "configs" / "default.yaml", ["precision=bf16", "fp8_kernels=xla"])
-    with pytest.raises(ValueError, match="fp8_kernels"):
-        load_config(REPO / "configs" / "default.yaml", ["fp8_kernels=interpret"])
+def test_kernels_fp8_ops_without_fp8_ops_is_a_clear_error():
+    with pytest.raises(ValueError, match="precision.mode=bf16 has none"):
+        load_config(
+            REPO / "configs" / "default.yaml", ["precision.mode=bf16", "kernels.fp8_ops=xla"]
+        )
+    with pytest.raises(ValueError, match="kernels.fp8_ops='interpret' is not valid"):
+        load_config(REPO / "configs" / "default.yaml", ["kernels.fp8_ops=interpret"])
+    with pytest.raises(ValueError, match="^`fp8_kernels` is now `kernels.fp8_ops`"):
+        load_config(REPO / "configs" / "default.yaml", ["fp8_kernels=xla"])  # old flat key
 
 
 @pytest.mark.parametrize(
@@ -142,21 +146,23 @@ def test_fp8_kernels_without_fp8_ops_is_a_clear_error():
     [
         # the default at this config's size: XLA's fusions for the FP8 ops, Pallas for the step
         ([], "xla", "auto"),
-        (["fp8_kernels=pallas"], "pallas", "auto"),
-        (["fp8_kernels=auto"], "auto", "auto"),
+        (["kernels.fp8_ops=pallas"], "pallas", "auto"),
+        (["kernels.fp8_ops=auto"], "auto", "auto"),
         (["kernels=pallas"], "pallas", "pallas"),
         (["kernels=xla"], "xla", "xla"),
-        (["kernels=pallas", "fp8_kernels=xla"], "xla", "pallas"),
+        (["kernels=pallas", "kernels.fp8_ops=xla"], "xla", "pallas"),
+        (["kernels.optimizer=xla"], "xla", "xla"),
     ],
 )
 def test_fp8_kernels_default_and_overrides(overrides, fp8_ops, optimizer):
-    """Unset, ``fp8_kernels`` sends the FP8 activation ops of the default config (a narrow
-    model, few tokens) to XLA's fusions under ``kernels: auto`` and follows ``kernels`` otherwise;
-    the optimizer's kernels follow ``kernels`` alone. The model the trainer builds carries it."""
+    """Unset, ``kernels.fp8_ops`` sends the FP8 activation ops of the default config (a narrow
+    model, few tokens) to XLA's fusions under ``kernels: auto``; a name other than ``auto`` sets
+    both parts; ``kernels.optimizer`` picks the optimizer's kernels alone. The model the trainer
+    builds carries it."""
     from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import kernel_options
 
-    cfg = load_config(REPO / "configs" / "default.yaml", ["precision=coat", *overrides])
+    cfg = load_config(REPO / "configs" / "default.yaml", ["precision.mode=coat", *overrides])
     assert kernel_options(cfg, fp8_ops=True)["implementation"] == fp8_ops
     assert kernel_options(cfg)["implementation"] == optimizer
     model_def = model_def_for(cfg.model, cfg)
@@ -170,7 +176,7 @@ def test_the_interpret_switch_keeps_every_pallas_kernel(monkeypatch):
     from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV, kernel_options
 
-    cfg = load_config(REPO / "configs" / "default.yaml", ["precision=coat"])
+    cfg = load_config(REPO / "configs" / "default.yaml", ["precision.mode=coat"])
     assert kernel_options(cfg, fp8_ops=True) == {"implementation": "xla", "interpret": False}
     monkeypatch.setenv(PALLAS_INTERPRET_ENV, "1")
     assert kernel_options(cfg, fp8_ops=True) == {"implementation": "auto", "interpret": True}
@@ -204,7 +210,7 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
     """Unset under ``kernels: auto``, the FP8 ops take the Pallas kernels (``auto``) for a model
     at least FP8_PALLAS_MIN_HIDDEN wide with at least FP8_PALLAS_MIN_TOKENS tokens per device,
     XLA's fusions otherwise; devices sharing the batch divide the tokens; a set
-    ``fp8_kernels`` or another ``kernels`` wins."""
+    ``kernels.fp8_ops`` or another ``kernels`` wins."""
     from coat_jax.training.model import model_def_for
     from coat_jax.training.optimizers import (
         FP8_PALLAS_MIN_HIDDEN,
@@ -215,7 +221,7 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
 
     base = load_config(
         REPO / "configs" / "default.yaml",
-        ["precision=coat", f"model.hidden_size={FP8_PALLAS_MIN_HIDDEN}", "model.head_dim=64"],
+        ["precision.mode=coat", f"model.hidden_size={FP8_PALLAS_MIN_HIDDEN}", "model.head_dim=64"],
     )
     at = FP8_PALLAS_MIN_TOKENS // base.seq_len
     assert at * base.seq_len == FP8_PALLAS_MIN_TOKENS  # the default config divides it exactly
@@ -230,7 +236,9 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
     assert fp8_ops_auto(dataclasses.replace(base, batch_size=2 * at), devices=2) == "auto"
     assert kernel_options(big, fp8_ops=True)["implementation"] == "auto"
     assert kernel_options(big, fp8_ops=True, devices=2)["implementation"] == "xla"
-    assert kernel_options(dataclasses.replace(big, fp8_kernels="xla"), fp8_ops=True) == {
+    assert kernel_options(
+        dataclasses.replace(big, kernels=(("fp8_ops", "xla"),)), fp8_ops=True
+    ) == {
         "implementation": "xla",
         "interpret": False,
     }
@@ -264,7 +272,7 @@ def test_train_py_reports_config_errors_without_traceback():
 
 def test_tiny_coat_run_learns_and_writes_its_outputs(tmp_path, cache_dir):
     out = tmp_path / "run"
-    result = train(tiny(out, cache_dir, "steps=40", "eval_every=20"))
+    result = train(tiny(out, cache_dir, "steps=40", "eval.every=20"))
     curve = losses(out)
     assert sorted(curve) == list(range(1, 41))
     first, last = (
@@ -321,7 +329,9 @@ def test_weight_decay_skips_norms_and_embeddings(tmp_path, cache_dir):
 def test_schedule_warms_up_then_decays_to_the_floor(tmp_path, cache_dir):
     from coat_jax.training.program import make_schedule
 
-    cfg = tiny(tmp_path, cache_dir, "steps=100", "warmup_steps=10", "min_lr_ratio=0.1")
+    cfg = tiny(
+        tmp_path, cache_dir, "steps=100", "optimizer.warmup_steps=10", "optimizer.min_lr_ratio=0.1"
+    )
     lr = [float(make_schedule(cfg)(c)) for c in range(100)]
     assert lr[0] == pytest.approx(3e-4) and lr[9] == pytest.approx(3e-3)
     assert lr[10] == pytest.approx(3e-3) and all(np.diff(lr[10:]) <= 0)
@@ -360,14 +370,14 @@ def test_resume_is_bit_exact(tmp_path, cache_dir):
 
 
 def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_dir):
-    """``deterministic=true`` compiles with ``xla_gpu_deterministic_ops`` (a misspelt option would
+    """``xla.deterministic=true`` compiles with ``xla_gpu_deterministic_ops`` (a misspelt option would
     fail to compile here too); on the CPU, deterministic anyway, the run is the same bit for bit.
     On a GPU the option may choose other kernels, so the numbers are compared on the CPU only
     (this test failed on the H200 when it compared them there)."""
     from coat_jax.training.program import compiler_options
 
     assert "xla_gpu_deterministic_ops" not in (compiler_options(tiny(tmp_path, cache_dir)) or {})
-    cfg = tiny(tmp_path / "det", cache_dir, "steps=6", "deterministic=true")
+    cfg = tiny(tmp_path / "det", cache_dir, "steps=6", "xla.deterministic=true")
     assert compiler_options(cfg)["xla_gpu_deterministic_ops"] is True
     if jax.default_backend() != "cpu":
         pytest.skip("the same numbers with and without the option: the CPU only")
@@ -393,7 +403,7 @@ def test_the_step_and_the_evaluation_compile_with_compiler_options(monkeypatch, 
 
 
 def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch, tmp_path):
-    """The first step failing under ``deterministic=true`` (as BF16 steps did on the H200, an
+    """The first step failing under ``xla.deterministic=true`` (as BF16 steps did on the H200, an
     ``IndexError`` from absl while compiling) ends as a ``ValueError`` that names the option and
     the fix; without the option the error is left as it is."""
     from coat_jax.training import run
@@ -402,15 +412,15 @@ def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch
         raise IndexError("absl::container_internal::raw_hash_map<>::at")
 
     monkeypatch.setattr(run, "first_step", fails)
-    with pytest.raises(ValueError, match="deterministic=true.*Set deterministic=false"):
-        train(tiny(tmp_path / "det", str(tmp_path), "steps=4", "deterministic=true"))
+    with pytest.raises(ValueError, match="xla.deterministic=true.*Set xla.deterministic=false"):
+        train(tiny(tmp_path / "det", str(tmp_path), "steps=4", "xla.deterministic=true"))
     with pytest.raises(IndexError):
         train(tiny(tmp_path / "plain", str(tmp_path), "steps=4"))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "coat"])
 def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
-    """A step with ``deterministic=true`` asks for XLA's attention, not cuDNN's (with XLA's
+    """A step with ``xla.deterministic=true`` asks for XLA's attention, not cuDNN's (with XLA's
     deterministic ops BF16 steps did not compile on the H200, the float32 step did)."""
     from coat_jax import llama
     from coat_jax.training import program
@@ -423,11 +433,15 @@ def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
         return real(dtype, choice)
 
     monkeypatch.setattr(llama, "attention_implementation", spy)
-    extra = ["optimizer=adamw"] if precision == "bf16" else []
+    extra = ["optimizer.name=adamw"] if precision == "bf16" else []
     for det, want in (("false", {"auto"}), ("true", {"xla"})):
         asked.clear()
         cfg = tiny(
-            tmp_path, str(tmp_path), f"precision={precision}", f"deterministic={det}", *extra
+            tmp_path,
+            str(tmp_path),
+            f"precision.mode={precision}",
+            f"xla.deterministic={det}",
+            *extra,
         )
         prog = program.build_program(cfg, cfg.model)
         prog.step_fn.trace(prog.abstract_params, prog.abstract_opt_state, prog.abstract_batch())
@@ -436,13 +450,13 @@ def test_deterministic_takes_xlas_attention(precision, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("fp8_kernels", [None, "xla"])
 def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path, monkeypatch):
-    """``fp8_kernels=xla``: the FP8 activation ops run as XLA (no kernel of theirs in the step)
+    """``kernels.fp8_ops=xla``: the FP8 activation ops run as XLA (no kernel of theirs in the step)
     while coat_adamw keeps its Pallas kernel; unset, both run Pallas (here in interpret mode)."""
     from coat_jax.training import program
     from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 
     monkeypatch.setenv(PALLAS_INTERPRET_ENV, "1")
-    extra = [] if fp8_kernels is None else [f"fp8_kernels={fp8_kernels}"]
+    extra = [] if fp8_kernels is None else [f"kernels.fp8_ops={fp8_kernels}"]
     cfg = tiny(tmp_path, str(tmp_path), *extra)
     prog = program.build_program(cfg, cfg.model)
     jaxpr = prog.step_fn.trace(
@@ -460,7 +474,7 @@ def test_fp8_kernels_moves_the_fp8_ops_alone(fp8_kernels, tmp_path, monkeypatch)
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_deterministic_gpu_runs_repeat_bit_for_bit(tmp_path, cache_dir):
     """On the GPU two runs of one configuration may differ (atomics in the embedding's scatter-add
-    gradient, reductions, kernels autotuned per compilation); with ``deterministic=true`` they must
+    gradient, reductions, kernels autotuned per compilation); with ``xla.deterministic=true`` they must
     not. Each run is its own process with no compilation cache, so each compiles anew."""
 
     def run(name, *extra):
@@ -471,8 +485,8 @@ def test_deterministic_gpu_runs_repeat_bit_for_bit(tmp_path, cache_dir):
             "--config",
             str(REPO / "configs/default.yaml"),
         ]
-        cmd += [*TINY, "steps=30", f"output_dir={out}", f"cache_dir={cache_dir}/tokens"]
-        cmd += ["compilation_cache_dir=null", *extra]
+        cmd += [*TINY, "steps=30", f"output_dir={out}", f"data.cache_dir={cache_dir}/tokens"]
+        cmd += ["xla.compilation_cache_dir=null", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         records = (out / "metrics.jsonl").read_text().splitlines()
@@ -482,17 +496,17 @@ def test_deterministic_gpu_runs_repeat_bit_for_bit(tmp_path, cache_dir):
             if "loss" in r
         ]
 
-    first = run("a", "deterministic=true")
-    assert run("b", "deterministic=true") == first
+    first = run("a", "xla.deterministic=true")
+    assert run("b", "xla.deterministic=true") == first
     # The control, reported rather than asserted: without the option the runs may or may not differ.
     control = run("c") == run("d")
-    print(f"without deterministic=true two runs were {'the same' if control else 'different'}")
+    print(f"without xla.deterministic=true two runs were {'the same' if control else 'different'}")
 
 
 def test_a_checkpoint_resumes_in_the_other_layer_layout(tmp_path, cache_dir):
     # Unrolled for 4 steps, then scanned (with COAT's remat policy) to 8: the FP8 optimizer
     # state is stacked on restore, and the run continues as the unrolled one does.
-    f32 = ("steps=8", "compute_dtype=float32")
+    f32 = ("steps=8", "precision.compute_dtype=float32")
     straight = train(tiny(tmp_path / "straight", cache_dir, *f32))
     train(tiny(tmp_path / "split", cache_dir, *f32), stop_at=4)
     resumed = train(
@@ -501,8 +515,8 @@ def test_a_checkpoint_resumes_in_the_other_layer_layout(tmp_path, cache_dir):
             cache_dir,
             *f32,
             "resume=true",
-            "scan_layers=true",
-            "remat=activations",
+            "memory.scan_layers=true",
+            "memory.remat=activations",
         )
     )
     assert resumed.step == 8
@@ -582,7 +596,7 @@ def test_a_new_run_never_overwrites_checkpoints(good_run, cache_dir):
     "extra, message",
     [
         (["model.hidden_size=32"], r"model: checkpoint has .*'hidden_size': 64"),
-        (["optimizer=adamw"], r"optimizer: checkpoint has 'coat_adamw', this run has 'adamw'"),
+        (["optimizer.name=adamw"], r"optimizer: checkpoint has 'coat_adamw', this run has 'adamw'"),
         (["seed=1"], r"seed: checkpoint has 0, this run has 1"),
     ],
 )
@@ -691,7 +705,7 @@ def test_eight_devices_match_one(tmp_path, cache_dir):
             *cache_overrides(cache_dir),
             "steps=6",
             "model.num_hidden_layers=1",
-            "compute_dtype=float32",
+            "precision.compute_dtype=float32",
         ],
         "out": str(tmp_path),
     }
@@ -757,7 +771,11 @@ def test_init_from_a_checkpoint_folder_starts_from_its_weights(tmp_path, cache_d
     save_pretrained(model, tmp_path / "hf", format="hf")
     wanted = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     # A learning rate of 1e-9 keeps the weights where init_from put them, to within 1e-8.
-    run = [f"init_from={tmp_path / 'hf'}", "learning_rate=1e-9", "warmup_steps=0"]
+    run = [
+        f"init_from={tmp_path / 'hf'}",
+        "optimizer.learning_rate=1e-9",
+        "optimizer.warmup_steps=0",
+    ]
     first = train(tiny(tmp_path / "run", cache_dir, "steps=2", *run))
     got = jax.device_get(first.params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(wanted), strict=True):

@@ -19,7 +19,13 @@ QUICKSTART = REPO / "docs" / "quickstart.md"
 QUICKSTART_EXTRAS = ("train",)
 QUICKSTART_INSTALL = 'pip install -e ".[train]"'
 # Appended to the train.py command: a short run with this test's own caches.
-SHORT_RUN = ["steps=20", "warmup_steps=2", "eval_every=10", "eval_batches=1", "progress_bar=false"]
+SHORT_RUN = [
+    "steps=20",
+    "optimizer.warmup_steps=2",
+    "eval.every=10",
+    "eval.batches=1",
+    "logging.progress_bar=false",
+]
 
 
 def quickstart_blocks(path=QUICKSTART) -> list[list[str]]:
@@ -81,7 +87,7 @@ def _run(command, tmp_path, env=None) -> str:
     argv[0] = sys.executable
     if argv[1] == "train.py":
         argv += SHORT_RUN
-        argv += [f"cache_dir={tmp_path}/tokens", compilation_cache(f"{tmp_path}/jax")]
+        argv += [f"data.cache_dir={tmp_path}/tokens", compilation_cache(f"{tmp_path}/jax")]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout

@@ -258,7 +258,7 @@ def _check_held_out(data_path: str, held_out, names: list[str], held: int) -> No
         shown = names if len(names) <= 20 else [*names[:20], "..."]
         raise ValueError(
             f"val_documents names {missing} not in {data_path!r}; its documents are "
-            f"{shown}; name some of them (comma-separated) or set val_documents=null"
+            f"{shown}; name some of them (comma-separated) or set data.val_documents=null"
         )
     if held_out and held == len(names):
         raise ValueError(

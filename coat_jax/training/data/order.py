@@ -61,7 +61,7 @@ class PackedWindows:
         if self.num_windows < 1:
             raise ValueError(
                 f"the {split} split has {len(tokens)} tokens, too few for one window of "
-                f"seq_len={seq_len}; use a shorter seq_len or more data"
+                f"data.seq_len={seq_len}; use a shorter seq_len or more data"
             )
 
     def gather(self, window_ids: np.ndarray) -> np.ndarray:
@@ -203,7 +203,7 @@ def validation_window_ids(windows: PackedWindows, batch_size: int, num_batches: 
     available = windows.num_windows // batch_size
     if available < 1:
         raise ValueError(
-            f"validation split has {windows.num_windows} windows, fewer than batch_size="
+            f"validation split has {windows.num_windows} windows, fewer than data.batch_size="
             f"{batch_size}; raise val_fraction or lower batch_size"
         )
     for b in range(min(num_batches, available)):

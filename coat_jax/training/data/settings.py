@@ -22,8 +22,8 @@ def check_data_keys(cfg) -> None:
             raise ValueError("sources is an empty list; name at least one {path: ...}, or null")
         if cfg.data_path != DEFAULT_DATA_PATH:
             raise ValueError(
-                f"data_path={cfg.data_path!r} and sources are both set; put that path in "
-                "sources, or set sources=null"
+                f"data.path={cfg.data_path!r} and sources are both set; put that path in "
+                "sources, or set data.sources=null"
             )
         if cfg.val_documents is not None and len(cfg.sources) > 1:
             raise ValueError(
@@ -32,9 +32,10 @@ def check_data_keys(cfg) -> None:
             )
     if cfg.attention_across_documents is False and cfg.fp8_attention_backward != "recompute":
         raise ValueError(
-            f"attention_across_documents=false masks attention between documents, and "
-            f"fp8_attention_backward={cfg.fp8_attention_backward} cannot take that mask; set "
-            "fp8_attention_backward=recompute, or attention_across_documents=true"
+            f"data.attention_across_documents=false masks attention between documents, and "
+            f"precision.fp8_attention_backward={cfg.fp8_attention_backward} cannot take that mask; "
+            f"set "
+            "precision.fp8_attention_backward=recompute, or data.attention_across_documents=true"
         )
     if not cfg.text_field:
         raise ValueError("text_field is empty; name the field that holds the text, e.g. text")

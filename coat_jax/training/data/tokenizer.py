@@ -39,13 +39,13 @@ class Tokenizer:
         else:
             raise ValueError(
                 f"tokenizer from {source!r} ({type(tok).__name__}) is not a fast tokenizer; "
-                "use tokenizer=byte or a folder with tokenizer.json"
+                "use data.tokenizer=byte or a folder with tokenizer.json"
             )
         eos = getattr(tok, "eos_token_id", None)
         if eos is None:
             raise ValueError(
                 f"tokenizer from {source!r} has no end-of-sequence token, so documents cannot "
-                "be separated; use tokenizer=byte or a tokenizer with an eos token"
+                "be separated; use data.tokenizer=byte or a tokenizer with an eos token"
             )
         self.eos_id = int(eos)
 
@@ -92,7 +92,7 @@ class Tokenizer:
         if not template:
             raise ValueError(
                 f"tokenizer from {self._source!r} has no chat template, and {where} is a chat; "
-                "use an instruct model's tokenizer (one with chat_template) or tokenizer=byte"
+                "use an instruct model's tokenizer (one with chat_template) or data.tokenizer=byte"
             )
         render = lambda msgs, prompt: self._tok.apply_chat_template(
             msgs, tokenize=False, add_generation_prompt=prompt
@@ -140,6 +140,6 @@ def make_tokenizer(spec: str, init_from: str | None) -> Tokenizer:
         return Tokenizer(ByteTokenizer(), spec)
     if spec == "init_from":
         if init_from is None:
-            raise ValueError("tokenizer=init_from needs init_from to name a checkpoint")
+            raise ValueError("data.tokenizer=init_from needs init_from to name a checkpoint")
         spec = init_from
     return Tokenizer(load_tokenizer(spec), spec)

@@ -26,7 +26,7 @@ def test_windows_flag_document_starts_and_split_window_reads_them():
     (window,) = windows.gather(np.asarray([0]))
     flagged = np.flatnonzero(window >= DOCUMENT_START)
     assert list(flagged) == [4, 9]
-    cfg = load_config(None, ["document_positions=true"])
+    cfg = load_config(None, ["data.document_positions=true"])
     model_def = model_def_for(cfg.model, cfg, within_documents=True)
     inputs, labels, segments, positions = split_window(model_def, jnp.asarray(window[None]))
     np.testing.assert_array_equal(inputs[0], STREAM[3:19])
@@ -38,7 +38,9 @@ def test_windows_flag_document_starts_and_split_window_reads_them():
     "across, chat, within", [(None, False, False), (None, True, True), (False, False, True)]
 )
 def test_attention_within_documents_defaults_to_chat_data(across, chat, within):
-    cfg = load_config(None, [f"attention_across_documents={'null' if across is None else 'false'}"])
+    cfg = load_config(
+        None, [f"data.attention_across_documents={'null' if across is None else 'false'}"]
+    )
     assert within_documents(cfg, chat) == within
 
 
@@ -56,10 +58,10 @@ def test_a_packed_windows_logits_are_each_documents_alone(precision, fp8_attenti
         None,
         [
             *tiny_run(layers=1, seq_len=16, batch_size=1),
-            f"precision={precision}",
-            f"fp8_attention={str(fp8_attention).lower()}",
-            "compute_dtype=float32",
-            "document_positions=true",
+            f"precision.mode={precision}",
+            f"precision.fp8_attention={str(fp8_attention).lower()}",
+            "precision.compute_dtype=float32",
+            "data.document_positions=true",
         ],
     )
     model_def = model_def_for(cfg.model, cfg, within_documents=True)

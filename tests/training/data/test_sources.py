@@ -118,18 +118,18 @@ def test_a_mixture_reads_each_source_through_its_own_epochs():
 
 def test_sources_config_builds_and_refuses_a_weight_that_is_not_positive():
     cfg = load_config(
-        None, ["sources=[{path: a.jsonl, weight: 2}, {path: b.parquet, text_field: body}]"]
+        None, ["data.sources=[{path: a.jsonl, weight: 2}, {path: b.parquet, text_field: body}]"]
     )
     assert [(s.path, s.weight, s.text_field) for s in cfg.sources] == [
         ("a.jsonl", 2.0, None),
         ("b.parquet", 1.0, "body"),
     ]
     with pytest.raises(ValueError, match=r"source 'a.jsonl' has weight 0.0; a mixture weight must"):
-        load_config(None, ["sources=[{path: a.jsonl, weight: 0}]"])
+        load_config(None, ["data.sources=[{path: a.jsonl, weight: 0}]"])
     with pytest.raises(ValueError, match=r"unknown config key\(s\) sources\[0\]\.wieght"):
-        load_config(None, ["sources=[{path: a.jsonl, wieght: 2}]"])
-    with pytest.raises(ValueError, match="data_path='x.txt' and sources are both set"):
-        load_config(None, ["data_path=x.txt", "sources=[{path: a.jsonl}]"])
+        load_config(None, ["data.sources=[{path: a.jsonl, wieght: 2}]"])
+    with pytest.raises(ValueError, match="data.path='x.txt' and sources are both set"):
+        load_config(None, ["data.path=x.txt", "data.sources=[{path: a.jsonl}]"])
 
 
 def _bad(tmp_path: Path, name: str, content: bytes | None = None) -> str:
@@ -224,14 +224,14 @@ def mixture_runs(tmp_path_factory):
     )
     common = [
         *tiny_run(layers=1, seq_len=16, batch_size=4),
-        f"sources=[{sources}]",
-        "val_fraction=0.2",
+        f"data.sources=[{sources}]",
+        "data.val_fraction=0.2",
         "steps=4",
-        "eval_batches=1",
-        "precision=bf16",
-        "optimizer=adamw",
-        f"cache_dir={tmp_path / 'tokens'}",
-        "compilation_cache_dir=null",
+        "eval.batches=1",
+        "precision.mode=bf16",
+        "optimizer.name=adamw",
+        f"data.cache_dir={tmp_path / 'tokens'}",
+        "xla.compilation_cache_dir=null",
     ]
     cfg = load_config(None, [*common, f"output_dir={tmp_path / 'a'}"])
     straight = train(cfg)
