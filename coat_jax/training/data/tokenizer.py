@@ -53,6 +53,9 @@ class Tokenizer:
         # One call per document: splitting it first could change the tokens at the cut points.
         if self._fast is not None:
             ids = self._fast.encode(text, add_special_tokens=False).ids
+        elif isinstance(self._tok, ByteTokenizer):
+            # ByteTokenizer.encode's ids without a Python int per byte: the UTF-8 bytes are them.
+            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
         else:
             ids = self._tok.encode(text)
         return np.asarray(ids, dtype=np.int64)

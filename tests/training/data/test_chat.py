@@ -43,3 +43,11 @@ def test_a_chat_template_marks_the_assistants_turns():
     ids, assistant = tok.encode_chat(CHATS[0], "chat")
     assert tok.decode(ids) == hf.apply_chat_template(CHATS[0], tokenize=False)
     assert tok.decode(ids[assistant]) == "4<|im_end|>\n6, of course<|im_end|>\n"
+
+
+def test_the_byte_tokenizer_encodes_as_coat_jax_tokenizer_does():
+    from coat_jax.tokenizer import ByteTokenizer
+
+    text = "héllo wörld, 東京\n"
+    ids = make_tokenizer("byte", None).encode(text)
+    assert ids.dtype == "int64" and ids.tolist() == ByteTokenizer().encode(text)
