@@ -340,7 +340,7 @@ def recorded_attention(config: FP8Config, recorder: ScaleRecorder):
 
     def attention(q, k, v):
         # No segment ids: attention within documents runs without the telemetry.
-        out, scales = observed_attention(q, k, v, True, config, None)
+        out, scales = observed_attention(q, k, v, True, config, None, None)
         recorder.record_group(scales)
         return out
 

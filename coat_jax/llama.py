@@ -180,7 +180,9 @@ def _model_ops(
         )
     if fp8_attn:
         if recorder is None:
-            attention = lambda q, k, v: fp8_attention(q, k, v, True, config, segment_ids_BT)
+            attention = functools.partial(
+                fp8_attention, is_causal=True, config=config, segment_ids=segment_ids_BT
+            )
             attention_linear = lambda q, k, v, w: fp8_attention_linear(q, k, v, w, True, config)
         else:
             attention = recorded_attention(config, recorder)

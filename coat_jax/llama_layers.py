@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from coat_jax import attention
-from coat_jax.fp8_ops import FP8Weight
+from coat_jax.fp8_ops import FP8Weight, fp8_attention
 from coat_jax.llama_config import LlamaConfig
 
 # checkpoint_name of what attention keeps for backward (cuDNN: q, k, v, output, log-sum-exp;
@@ -111,9 +111,11 @@ class KVCache(NamedTuple):
     start: jax.Array
     mask: jax.Array
 
-    def attend(self, q_BTNH, k_BTKH, v_BTKH, ops) -> tuple[jax.Array, KVCache]:
+    def attend(self, q_BTNH, k_BTKH, v_BTKH, ops, window=None) -> tuple[jax.Array, KVCache]:
         """``(out_BTNH, cache)``: the new keys and values written in, then attention of the new
-        queries over the cache under :attr:`mask`, in the compute dtype on XLA's kernel."""
+        queries over the cache under :attr:`mask`, in the compute dtype on XLA's kernel; with
+        ``window`` (an int), each query attends to at most the ``window`` latest columns, its
+        own included (a sliding window)."""
         if ops.attention is not None or ops.attention_linear is not None:
             raise ValueError(
                 "decoding with a KVCache runs the plain attention over the cache; call the layer "
@@ -121,9 +123,11 @@ class KVCache(NamedTuple):
             )
         k = jax.lax.dynamic_update_slice(self.k, k_BTKH, (0, self.start, 0, 0))
         v = jax.lax.dynamic_update_slice(self.v, v_BTKH, (0, self.start, 0, 0))
-        out_BTNH = attention.attend(
-            q_BTNH, k, v, is_causal=False, implementation="xla", mask=self.mask
-        )
+        mask = self.mask
+        if window is not None:
+            query_T1 = self.start + jnp.arange(q_BTNH.shape[1])[:, None]
+            mask = mask & (jnp.arange(k.shape[1])[None, :] > query_T1 - window)
+        out_BTNH = attention.attend(q_BTNH, k, v, is_causal=False, implementation="xla", mask=mask)
         return out_BTNH, self._replace(k=k, v=v)
 
 
@@ -190,20 +194,26 @@ class Attention(nnx.Module):
 
     def _window(self, keys: int, ops, cache) -> int | None:
         """The sliding window the attention over ``keys`` positions needs (``None``: none, or
-        one that every query's keys fit). The model's own attention (:func:`causal_attention`)
-        applies it; decoding with a cache and FP8 attention have none, and refuse a window
-        they would need."""
+        one that every query's keys fit). The model's own attention (:func:`causal_attention`),
+        FP8 attention (``fp8_attention``) and decoding with a cache apply it; the ops without
+        one (FP8 attention with the o_proj as one op, or under the activation telemetry)
+        refuse a window they would need."""
         if self.sliding_window is None or keys <= self.sliding_window:
             return None
-        own = ops.attention is None or (
-            isinstance(ops.attention, functools.partial) and ops.attention.func is causal_attention
+        takes_window = cache is not None or (
+            ops.attention_linear is None
+            and (
+                ops.attention is None
+                or isinstance(ops.attention, functools.partial)
+                and ops.attention.func in (causal_attention, fp8_attention)
+            )
         )
-        if cache is not None or ops.attention_linear is not None or not own:
-            where = "decoding with a cache" if cache is not None else "FP8 attention"
+        if not takes_window:
             raise ValueError(
                 f"attention over {keys} positions exceeds sliding_window={self.sliding_window} "
-                f"and {where} has no sliding window: keep sequences within the window, or use "
-                "the model's own attention (fp8_attention=False) to train on longer ones"
+                "and this FP8 attention (attention_backward='saved_output', or under the "
+                "activation telemetry) has no sliding window: keep sequences within the window, "
+                "or use fp8_attention_backward='recompute' without the telemetry"
             )
         return self.sliding_window
 
@@ -242,7 +252,7 @@ class Attention(nnx.Module):
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
         o_proj = _linear_weights(self, ("o_proj",), codes)
         if cache is not None:
-            out_BTNH, cache = cache.attend(q_BTNH, k_BTKH, v_BTKH, ops)
+            out_BTNH, cache = cache.attend(q_BTNH, k_BTKH, v_BTKH, ops, window)
             return ops.linear(out_BTNH.reshape(b, t, n * hd), o_proj), cache
         if ops.attention_linear is not None:
             return ops.attention_linear(q_BTNH, k_BTKH, v_BTKH, o_proj)

@@ -16,7 +16,7 @@ from coat_jax.fp8.residuals import keep, pin
 from pallas_kernels import fp8_quant
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 6))
 def fp8_attention(
     q: jax.Array,
     k: jax.Array,
@@ -24,6 +24,7 @@ def fp8_attention(
     is_causal: bool = True,
     config: FP8Config = DEFAULT_CONFIG,
     segment_ids: jax.Array | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Attention in BF16 that keeps FP8 q, k, v (1x16 along the head dim) for backward.
 
@@ -36,8 +37,10 @@ def fp8_attention(
       is_causal: static; config: static :class:`FP8Config`.
       segment_ids: int ``[B, T]`` or None: a query attends only to keys of its own segment
         (``coat_jax.attention.attend``; XLA's attention only).
+      window: static int or None: each query attends to at most the ``window`` latest keys,
+        itself included (a sliding window, as ``coat_jax.attention.attend``'s).
     """
-    return _fp8_attention_fwd(q, k, v, is_causal, config, segment_ids)[0]
+    return _fp8_attention_fwd(q, k, v, is_causal, config, segment_ids, window)[0]
 
 
 def _check_attention_inputs(q, k, v):
@@ -59,21 +62,25 @@ def _kept_qkv(q, k, v, config):
     return keep(pin(tuple(saved), config))
 
 
-def _fp8_attention_fwd(q, k, v, is_causal, config, segment_ids=None):
+def _fp8_attention_fwd(q, k, v, is_causal, config, segment_ids=None, window=None):
     _check_attention_inputs(q, k, v)
     impl = attention.attention_implementation(q.dtype, config.attention)
     out = attention.attend(
-        q, k, v, is_causal=is_causal, implementation=impl, segment_ids=segment_ids
+        q, k, v, is_causal=is_causal, implementation=impl, segment_ids=segment_ids, window=window
     )
     return out, (_kept_qkv(q, k, v, config), segment_ids)
 
 
-def _fp8_attention_bwd(is_causal, config, res, dy):
+def _fp8_attention_bwd(is_causal, config, window, res, dy):
     kept, segment_ids = res
     q, k, v = (t.dequantize().astype(dy.dtype) for t in kept)
     impl = attention.attention_implementation(q.dtype, config.attention)
     attend = functools.partial(
-        attention.attend, is_causal=is_causal, implementation=impl, segment_ids=segment_ids
+        attention.attend,
+        is_causal=is_causal,
+        implementation=impl,
+        segment_ids=segment_ids,
+        window=window,
     )
     _, pullback = jax.vjp(attend, q, k, v)
     return (*pullback(dy), None)

@@ -169,6 +169,24 @@ def test_attention_keeps_fp8_qkv_and_matches_float32():
         fp8_ops.fp8_attention(q[0], k[0], v[0], True, XLA)
 
 
+def test_attention_takes_a_sliding_window():
+    kq, kk, kv = jax.random.split(jax.random.key(15), 3)
+    q, k, v = (jax.random.normal(key, (2, 16, 4, 32), jnp.bfloat16) for key in (kq, kk, kv))
+    windowed = lambda q, k, v: fp8_ops.fp8_attention(q, k, v, True, XLA, None, 5)
+    check_op(
+        windowed,
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(4, 0)
+        ),
+        (q, k, v),
+        fwd_rel=2**-6,
+        fwd_cos=0.9999,
+    )
+    # The window matters: without it the output differs.
+    full = fp8_ops.fp8_attention(q, k, v, True, XLA)
+    assert float(jnp.max(jnp.abs(windowed(q, k, v) - full))) > 0.1
+
+
 def test_add_is_exact_and_keeps_nothing():
     ka, kb = jax.random.split(jax.random.key(4))
     a = jax.random.normal(ka, (4, 8, 32), jnp.bfloat16)

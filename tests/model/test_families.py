@@ -12,6 +12,7 @@ from flax import nnx
 
 from coat_jax.checkpoint_io import SafetensorsSource, from_pretrained, save_pretrained
 from coat_jax.convert import main as convert_main
+from coat_jax.fp8_ops import FP8Config
 from coat_jax.generate import generate_ids
 from coat_jax.llama import Llama, LlamaConfig, rope_inv_freq
 from coat_jax.memory import residuals
@@ -213,7 +214,8 @@ def test_unsupported_switches_are_refused_in_one_line(saved, family, overrides, 
 
 def test_mistral_sliding_window_matches_transformers(saved, tmp_path):
     """A window shorter than the sequence: transformers' float32 logits; decoding with a cache
-    and FP8 attention, which have no window, refuse attention past it in one line."""
+    past the window gives the greedy tokens of the uncached model; FP8 attention takes the
+    window, and its saved-output form, which has none, refuses attention past it in one line."""
     torch_model = hf_model("mistral", sliding_window=48)
     torch_model.save_pretrained(tmp_path)
     ids = saved[1]
@@ -223,13 +225,23 @@ def test_mistral_sliding_window_matches_transformers(saved, tmp_path):
     assert rel_err(model(jnp.asarray(ids)), want) <= 1e-4
     # The window matters: the same weights with a window past the sequence differ.
     assert rel_err(want, saved[0]["mistral"][2]) > 1e-3
-    with pytest.raises(ValueError, match="exceeds sliding_window=48 and decoding with a cache"):
-        generate_ids(model, [list(range(40))], 10)
+    prompt = [int(i) for i in ids[0, :44]]
+    greedy = list(prompt)
+    for _ in range(8):  # the uncached model, one token at a time, up to 52 > 48 positions
+        greedy.append(int(jnp.argmax(model(jnp.asarray([greedy]))[0, -1])))
+    assert generate_ids(model, [prompt], 8) == [greedy[44:]]
     fp8 = from_pretrained(tmp_path, precision="coat", fp8_attention=True)
-    logits = lambda t: jax.eval_shape(lambda: fp8(jnp.zeros((1, t), jnp.int32)))
-    assert logits(48).shape == (1, 48, COMMON["vocab_size"])
-    with pytest.raises(ValueError, match="exceeds sliding_window=48 and FP8 attention has no"):
-        logits(49)
+    logits = lambda model, t: jax.eval_shape(lambda: model(jnp.zeros((1, t), jnp.int32)))
+    assert logits(fp8, 49).shape == (1, 49, COMMON["vocab_size"])
+    saved_output = from_pretrained(
+        tmp_path,
+        precision="coat",
+        fp8_attention=True,
+        fp8_config=FP8Config(attention_backward="saved_output"),
+    )
+    assert logits(saved_output, 48).shape == (1, 48, COMMON["vocab_size"])
+    with pytest.raises(ValueError, match="exceeds sliding_window=48 and this FP8 attention"):
+        logits(saved_output, 49)
     config = model.config
     with pytest.raises(ValueError, match="sliding_window=8 is not a switch of model_type='qwen2'"):
         dataclasses.replace(config, model_type="qwen2", sliding_window=8)
