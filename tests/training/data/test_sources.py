@@ -126,7 +126,7 @@ def test_sources_config_builds_and_refuses_a_weight_that_is_not_positive():
     ]
     with pytest.raises(ValueError, match=r"source 'a.jsonl' has weight 0.0; a mixture weight must"):
         load_config(None, ["data.sources=[{path: a.jsonl, weight: 0}]"])
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) sources\[0\]\.wieght"):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) data\.sources\[0\]\.wieght"):
         load_config(None, ["data.sources=[{path: a.jsonl, wieght: 2}]"])
     with pytest.raises(ValueError, match="data.path='x.txt' and sources are both set"):
         load_config(None, ["data.path=x.txt", "data.sources=[{path: a.jsonl}]"])
