@@ -175,11 +175,18 @@ def write_results(out: str | None, records: list[dict], title: str, text: str) -
     nothing when ``out`` is ``None``."""
     if not out:
         return
+    write_jsonl(out, records)
+    with open(out + ".md", "w") as f:
+        f.write(f"# {title}\n\n{text}\n")
+
+
+def write_jsonl(out: str | None, records: list[dict]) -> None:
+    """Writes ``OUT.jsonl``, one record per line; nothing when ``out`` is ``None``."""
+    if not out:
+        return
     with open(out + ".jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    with open(out + ".md", "w") as f:
-        f.write(f"# {title}\n\n{text}\n")
 
 
 def rendered(name: str, body: str) -> str:

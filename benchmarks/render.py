@@ -32,10 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 import accuracy  # noqa: E402
+import activation_memory  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_layer  # noqa: E402
 import fp8_cast  # noqa: E402
 import fp8_tiles  # noqa: E402
+import kernel_sass  # noqa: E402
+import quant_error  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -315,11 +318,16 @@ def accuracy_page(link: Callable[[str], str]) -> str:
 
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "accuracy": accuracy_page,
+    "activation_memory": lambda link: activation_memory.report(
+        _records("activation_memory/layer.jsonl")
+    ),
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
     "headline": headline,
+    "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
     "history": history,
+    "quant_error": lambda link: quant_error.report(_records("quant_error/run.jsonl")),
     "fp8_rowwise": layer_page("fp8_rowwise"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
