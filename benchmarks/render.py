@@ -35,6 +35,7 @@ import accuracy  # noqa: E402
 import activation_memory  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_layer  # noqa: E402
+import bench_optimizer  # noqa: E402
 import fp8_cast  # noqa: E402
 import fp8_tiles  # noqa: E402
 import kernel_sass  # noqa: E402
@@ -80,7 +81,7 @@ def _optimizer_rows() -> list[Row]:
     by = {r["name"]: r for r in run["results"]}
     optax, coat = by["optax.adamw (f32 moments)"], by["coat_adamw pallas (fused apply)"]
     meta = run["meta"]
-    page = "notes_optimizer_kernel.md"
+    page = "optimizer_kernel.md"
     return [
         Row(
             "optimizer state, Llama-2-7B tree",
@@ -311,6 +312,25 @@ def records_table(rel: str, table: Callable[[list[dict]], list[str]]):
     return render
 
 
+def optimizer_runs() -> list[tuple[str, dict]]:
+    """Every ``bench_optimizer.py --json`` record under ``optimizer/`` (a ``.json`` file holds
+    one run, a ``.jsonl`` file one per line), oldest first."""
+    runs = []
+    for path in sorted((RESULTS / "optimizer").glob("*.json*")):
+        rel = path.relative_to(RESULTS).as_posix()
+        runs += [(rel, _json(rel))] if path.suffix == ".json" else [(rel, r) for r in _records(rel)]
+    return sorted((r for r in runs if "meta" in r[1]), key=lambda r: r[1]["meta"]["date"])
+
+
+def optimizer_table(table: Callable[[list[tuple[str, dict]]], list[str]]):
+    """``table`` (one of ``bench_optimizer``'s) of every optimizer record."""
+
+    def render(link: Callable[[str], str]) -> str:
+        return "\n".join(table(optimizer_runs())) + "\n"
+
+    return render
+
+
 def accuracy_page(link: Callable[[str], str]) -> str:
     """The accuracy report above its notes, as ``accuracy.py --report`` writes it."""
     return accuracy.report_text(_records("accuracy/accuracy.jsonl"), "accuracy.png")
@@ -327,6 +347,8 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
     "history": history,
+    "optimizer": optimizer_table(bench_optimizer.table),
+    "optimizer_sweep": optimizer_table(bench_optimizer.sweep_table),
     "quant_error": lambda link: quant_error.report(_records("quant_error/run.jsonl")),
     "fp8_rowwise": layer_page("fp8_rowwise"),
     **{name: e2e_page(name) for name in E2E_PAGES},
