@@ -421,6 +421,7 @@ def main(argv=None):
         "platform": dev.platform,
         "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": C.git_commit(),
         "command": "python " + " ".join(sys.argv),
         "layers": args.layers,
         "stacked": args.stacked,
