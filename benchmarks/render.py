@@ -36,6 +36,7 @@ import activation_memory  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_optimizer  # noqa: E402
+import bench_sizes  # noqa: E402
 import fp8_cast  # noqa: E402
 import fp8_tiles  # noqa: E402
 import kernel_sass  # noqa: E402
@@ -331,10 +332,130 @@ def optimizer_table(table: Callable[[list[tuple[str, dict]]], list[str]]):
     return render
 
 
+def sizes_page(size: str) -> Callable[[Callable[[str], str]], str]:
+    """``bench_sizes.py``'s report of one size from its ``bench_e2e`` records
+    (``sizes/<size>.jsonl``), the settings as the records name them."""
+
+    def render(link: Callable[[str], str]) -> str:
+        records = _records(f"sizes/{size}.jsonl")
+        settings = [bench_sizes.sweep_setting(r["setting"]) for r in records if "setting" in r]
+        sweep = [bench_sizes.size_record(bench_sizes.SIZES[size], list(dict.fromkeys(settings)))]
+        rows = bench_sizes.summarize(sweep, {size: records})
+        return bench_sizes.report(rows, [r for r in records if r.get("kind") == "command"])
+
+    return render
+
+
+def _label(setting: str, abbrev: dict[str, str]) -> str:
+    for long, short in abbrev.items():
+        setting = setting.replace(long, short)
+    return setting
+
+
+def _thousands(x: float) -> str:
+    """``x`` truncated to an integer, with thousands separators."""
+    return f"{int(x):,}"
+
+
+def calls_table(rel: str, abbrev: dict[str, str]) -> Callable[[Callable[[str], str]], str]:
+    """Every timed run of ``rel`` (``bench_e2e`` records, in the order they ran) with its device
+    call, each setting written with ``abbrev``'s short forms, figures truncated."""
+
+    def render(link: Callable[[str], str]) -> str:
+        tr = C.truncated
+        lines = [
+            "| device call | setting | batch | tokens/s (host waits) | one step in flight "
+            "| step ms median [min, max] | compiled peak GiB | device | JAX | date |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in _records(rel):
+            if r.get("kind") != "run":
+                continue
+            step = r["step"]
+            flight = r.get("tokens_per_s_pipelined")
+            lines.append(
+                f"| {r.get('device_call', '-')} | {_label(r['setting'], abbrev)} | {r['batch']} | "
+                f"{_thousands(r['tokens_per_s'])} | "
+                f"{'not recorded' if flight is None else _thousands(flight)} | "
+                f"{tr(step['median_s'] * 1e3, 2)} [{tr(step['min_s'] * 1e3, 2)}, "
+                f"{tr(step['max_s'] * 1e3, 2)}] | {C.gib(r.get('compiled_peak'))} | "
+                f"{r['device'].removeprefix('gpu:')} | {r['jax']} | {r['date'][:10]} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
+SPLIT = (
+    ("gemm", "GEMMs"),
+    ("attention", "attention"),
+    ("fp8_pallas", "FP8 Pallas kernels"),
+    ("fp8_xla", "FP8 XLA fusions"),
+    ("optimizer", "optimizer"),
+    ("memcpy", "copies"),
+    ("other", "other"),
+)
+
+
+def split_table(rel: str, abbrev: dict[str, str]) -> Callable[[Callable[[str], str]], str]:
+    """The kernel time per category (ms) of each traced step of ``rel`` (``profile`` records:
+    one step traced by ``jax.profiler``), settings written with ``abbrev``'s short forms."""
+
+    def render(link: Callable[[str], str]) -> str:
+        tr = C.truncated
+        lines = [
+            "| device call | setting | batch | wall ms | "
+            + " | ".join(title for _, title in SPLIT)
+            + " | kernels | device | JAX | date |",
+            "|" + "---|" * (len(SPLIT) + 8),
+        ]
+        for r in _records(rel):
+            if r.get("kind") != "profile":
+                continue
+            split = r["split"]
+            cells = [tr(split["categories"][key]["ms"], 2) for key, _ in SPLIT]
+            lines.append(
+                f"| {r.get('device_call', '-')} | {_label(r['setting'], abbrev)} | {r['batch']} | "
+                f"{tr(split['wall_ms'], 2)} | " + " | ".join(cells) + " | "
+                f"{int(split['kernels_per_step'])} | {r['device'].removeprefix('gpu:')} | "
+                f"{r['jax']} | {r['date'][:10]} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
+def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
+    """The table ``name`` of ``rel``: a ``"kind": "table"`` record holds a table whose run left
+    no raw records, its cells as first published (``columns``, ``rows``), beside the run's
+    device, JAX version, date, command and commit; those come out as the last columns."""
+
+    def render(link: Callable[[str], str]) -> str:
+        found = [r for r in _records(rel) if r.get("kind") == "table" and r["table"] == name]
+        if len(found) != 1:
+            raise ValueError(f"{rel}: {len(found)} tables named {name!r}, expected one")
+        t = found[0]
+        columns = t["columns"] + ["device", "JAX", "date"]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        stamp = [t["device"], t["jax"], t["date"][:10] if t["date"] else "not recorded"]
+        lines += ["| " + " | ".join(row + stamp) + " |" for row in t["rows"]]
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
 def accuracy_page(link: Callable[[str], str]) -> str:
     """The accuracy report above its notes, as ``accuracy.py --report`` writes it."""
     return accuracy.report_text(_records("accuracy/accuracy.jsonl"), "accuracy.png")
 
+
+# The memory options of COAT's fastest Llama-2-7B setting, as the pages write them (`$O`).
+O_7B = (
+    "optimizer_in_backward=true+grad_clip=null+fp8_attention=true+loss_chunk_size=2048"
+    "+fp8_group_scale=e8m0+fp8_weight_residual=master+fp8_swiglu=fused"
+)
+ABBREV_7B = {f"coat:scan:activations:{O_7B}": "COAT `$O`", "bf16:unrolled:none": "BF16"}
+ATTENTION_BACKWARD = {**ABBREV_7B, "+fp8_attention_backward=saved_output": " + `saved_output`"}
 
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "accuracy": accuracy_page,
@@ -343,16 +464,31 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     ),
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
+    "attention_backward/calls": calls_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
+    "attention_backward/split": split_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
     "headline": headline,
     "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
     "history": history,
     "optimizer": optimizer_table(bench_optimizer.table),
     "optimizer_sweep": optimizer_table(bench_optimizer.sweep_table),
+    "sizes_76M": sizes_page("76M"),
     "quant_error": lambda link: quant_error.report(_records("quant_error/run.jsonl")),
     "fp8_rowwise": layer_page("fp8_rowwise"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
+
+
+# Every transcribed table, as ``<benchmark>/<table>``.
+BLOCKS.update(
+    {
+        f"{path.parent.name}/{r['table']}": transcribed(
+            path.relative_to(RESULTS).as_posix(), r["table"]
+        )
+        for path in sorted(RESULTS.glob("*/tables.jsonl"))
+        for r in C.read_jsonl(str(path))
+    }
+)
 
 
 def targets() -> list[Path]:
