@@ -357,28 +357,47 @@ def _thousands(x: float) -> str:
     return f"{int(x):,}"
 
 
-def calls_table(rel: str, abbrev: dict[str, str]) -> Callable[[Callable[[str], str]], str]:
-    """Every timed run of ``rel`` (``bench_e2e`` records, in the order they ran) with its device
-    call, each setting written with ``abbrev``'s short forms, figures truncated."""
+def calls_table(
+    rel: str, abbrev: dict[str, str], calls: tuple[int, ...] = (), fields: tuple[str, ...] = ()
+) -> Callable[[Callable[[str], str]], str]:
+    """Every timed run of ``rel`` (``bench_e2e`` records, in the order they ran; only device
+    ``calls`` where given) with its device call, each setting written with ``abbrev``'s short
+    forms and followed by the record's ``fields`` that set it apart, figures truncated;
+    temporaries from the compile record before the run."""
 
     def render(link: Callable[[str], str]) -> str:
         tr = C.truncated
         lines = [
             "| device call | setting | batch | tokens/s (host waits) | one step in flight "
-            "| step ms median [min, max] | compiled peak GiB | device | JAX | date |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| step ms median [min, max] | compiled peak GiB | temporaries GiB "
+            "| device | JAX | date |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        compiled = {}
         for r in _records(rel):
+            if calls and int(r.get("device_call", 0)) not in calls:
+                continue
+            if r.get("kind") == "compile":
+                compiled = r
             if r.get("kind") != "run":
                 continue
             step = r["step"]
             flight = r.get("tokens_per_s_pipelined")
+            temp = (
+                compiled.get("memory", {}).get("temp")
+                if compiled.get("setting") == r["setting"]
+                else None
+            )
+            setting = _label(r["setting"], abbrev) + "".join(
+                f", {f} {r[f]}" for f in fields if f in r
+            )
             lines.append(
-                f"| {r.get('device_call', '-')} | {_label(r['setting'], abbrev)} | {r['batch']} | "
+                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
                 f"{_thousands(r['tokens_per_s'])} | "
                 f"{'not recorded' if flight is None else _thousands(flight)} | "
                 f"{tr(step['median_s'] * 1e3, 2)} [{tr(step['min_s'] * 1e3, 2)}, "
                 f"{tr(step['max_s'] * 1e3, 2)}] | {C.gib(r.get('compiled_peak'))} | "
+                f"{'-' if temp is None else C.gib(temp)} | "
                 f"{r['device'].removeprefix('gpu:')} | {r['jax']} | {r['date'][:10]} |"
             )
         return "\n".join(lines) + "\n"
@@ -397,9 +416,12 @@ SPLIT = (
 )
 
 
-def split_table(rel: str, abbrev: dict[str, str]) -> Callable[[Callable[[str], str]], str]:
+def split_table(
+    rel: str, abbrev: dict[str, str], calls: tuple[int, ...] = (), fields: tuple[str, ...] = ()
+) -> Callable[[Callable[[str], str]], str]:
     """The kernel time per category (ms) of each traced step of ``rel`` (``profile`` records:
-    one step traced by ``jax.profiler``), settings written with ``abbrev``'s short forms."""
+    one step traced by ``jax.profiler``; only device ``calls`` where given), settings written
+    as :func:`calls_table` writes them."""
 
     def render(link: Callable[[str], str]) -> str:
         tr = C.truncated
@@ -410,12 +432,15 @@ def split_table(rel: str, abbrev: dict[str, str]) -> Callable[[Callable[[str], s
             "|" + "---|" * (len(SPLIT) + 8),
         ]
         for r in _records(rel):
-            if r.get("kind") != "profile":
+            if r.get("kind") != "profile" or (calls and int(r.get("device_call", 0)) not in calls):
                 continue
             split = r["split"]
+            setting = _label(r["setting"], abbrev) + "".join(
+                f", {f} {r[f]}" for f in fields if f in r
+            )
             cells = [tr(split["categories"][key]["ms"], 2) for key, _ in SPLIT]
             lines.append(
-                f"| {r.get('device_call', '-')} | {_label(r['setting'], abbrev)} | {r['batch']} | "
+                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
                 f"{tr(split['wall_ms'], 2)} | " + " | ".join(cells) + " | "
                 f"{int(split['kernels_per_step'])} | {r['device'].removeprefix('gpu:')} | "
                 f"{r['jax']} | {r['date'][:10]} |"
@@ -456,6 +481,7 @@ O_7B = (
 )
 ABBREV_7B = {f"coat:scan:activations:{O_7B}": "COAT `$O`", "bf16:unrolled:none": "BF16"}
 ATTENTION_BACKWARD = {**ABBREV_7B, "+fp8_attention_backward=saved_output": " + `saved_output`"}
+CODES_BARRIER = {**ABBREV_7B, "+fp8_codes_barrier=true": ""}
 
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "accuracy": accuracy_page,
@@ -466,6 +492,21 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
     "attention_backward/calls": calls_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
     "attention_backward/split": split_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
+    "codes_barrier/calls": calls_table(
+        "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(1,), fields=("codes_barrier",)
+    ),
+    "codes_barrier/split": split_table(
+        "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(1,), fields=("codes_barrier",)
+    ),
+    "codes_barrier/stacks": calls_table(
+        "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(2, 3), fields=("residual_stacks",)
+    ),
+    "largest_batch_split/calls": calls_table(
+        "largest_batch_split/e2e.jsonl", ABBREV_7B, fields=("xla_flags",)
+    ),
+    "largest_batch_split/split": split_table(
+        "largest_batch_split/e2e.jsonl", ABBREV_7B, calls=(1,)
+    ),
     "headline": headline,
     "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
