@@ -450,6 +450,32 @@ def split_table(
     return render
 
 
+def telemetry_programs(rel: str) -> Callable[[Callable[[str], str]], str]:
+    """The step of each program of a ``telemetry_cost.py`` result (its printed JSON) against
+    the program without telemetry, with the run's device, JAX version and date."""
+
+    def render(link: Callable[[str], str]) -> str:
+        result = _json(rel)
+        programs = [k for k, v in result.items() if isinstance(v, dict) and "step_s" in v]
+        off = result["off"]["step_s"]
+        lines = [
+            "| program | step ms | against off | device | JAX | date |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in programs:
+            step = result[name]["step_s"]
+            pct = (step / off - 1) * 100
+            sign = "+" if pct >= 0 else "-"
+            against = "" if name == "off" else f"{sign}{C.truncated(abs(pct), 2)}%"
+            lines.append(
+                f"| {name} | {C.truncated(step * 1e3, 2)} | {against} | {result['device']} | "
+                f"{result['jax']} | {result['date'][:10]} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
 def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
     """The table ``name`` of ``rel``: a ``"kind": "table"`` record holds a table whose run left
     no raw records, its cells as first published (``columns``, ``rows``), beside the run's
@@ -507,6 +533,8 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "largest_batch_split/split": split_table(
         "largest_batch_split/e2e.jsonl", ABBREV_7B, calls=(1,)
     ),
+    "telemetry/h200_programs": telemetry_programs("telemetry/telemetry_h200.json"),
+    "telemetry/h200_batch1": calls_table("telemetry/e2e.jsonl", {}),
     "headline": headline,
     "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
