@@ -347,6 +347,14 @@ def sizes_page(size: str) -> Callable[[Callable[[str], str]], str]:
 
 
 def _label(setting: str, abbrev: dict[str, str]) -> str:
+    """``setting`` with ``abbrev``'s short forms, a ``bench_sizes.py`` size's model overrides
+    written as the size's name."""
+    if "model." in setting:
+        base = bench_sizes.sweep_setting(setting)
+        sizes = [
+            n for n, z in bench_sizes.SIZES.items() if bench_sizes.with_model(base, z) == setting
+        ]
+        setting = f"{base} ({sizes[0]})" if sizes else setting
     for long, short in abbrev.items():
         setting = setting.replace(long, short)
     return setting
@@ -507,11 +515,6 @@ O_7B = (
 )
 ABBREV_7B = {f"coat:scan:activations:{O_7B}": "COAT `$O`", "bf16:unrolled:none": "BF16"}
 ATTENTION_BACKWARD = {**ABBREV_7B, "+fp8_attention_backward=saved_output": " + `saved_output`"}
-MODEL_76M_BYTES = (
-    "+model.vocab_size=258+model.hidden_size=768+model.intermediate_size=2048"
-    "+model.num_hidden_layers=12+model.num_attention_heads=12+model.num_key_value_heads=4"
-    "+model.head_dim=64+model.tie_word_embeddings=true+model.max_position_embeddings=1024"
-)
 # The memory options of COAT's largest Llama-2-7B batch before the fused SwiGLU (`$O` there).
 O_7B_UNFUSED = O_7B.removesuffix("+fp8_swiglu=fused")
 ABBREV_7B_UNFUSED = {
@@ -546,13 +549,16 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     ),
     "telemetry/h200_programs": telemetry_programs("telemetry/telemetry_h200.json"),
     "telemetry/h200_batch1": calls_table("telemetry/e2e.jsonl", {}),
-    "fp8_kernels/rule": calls_table(
-        "fp8_kernels/rule.jsonl", {**ABBREV_7B, MODEL_76M_BYTES: " (76M-bytes)"}
-    ),
+    "fp8_kernels/rule": calls_table("fp8_kernels/rule.jsonl", ABBREV_7B),
     "fp8_kernels/7b_scan": calls_table("fp8_kernels/7b_scan.jsonl", {}),
     "fp8_kernels/7b_options": calls_table("fp8_kernels/7b_options.jsonl", ABBREV_7B_UNFUSED),
     "fp8_kernels/7b_unrolled": calls_table("fp8_kernels/7b_unrolled.jsonl", {}),
-    "fp8_kernels/76M": calls_table("fp8_kernels/76M.jsonl", {MODEL_76M_BYTES: " (76M-bytes)"}),
+    "fp8_kernels/76M": calls_table("fp8_kernels/76M.jsonl", {}),
+    "gemm_output/7b_unrolled": calls_table("gemm_output/7b_unrolled.jsonl", {}),
+    "gemm_output/7b_largest": calls_table("gemm_output/7b_largest.jsonl", ABBREV_7B),
+    "gemm_output/76M": calls_table("gemm_output/76M.jsonl", {}),
+    "gemm_output/sizes_float32_output": calls_table("gemm_output/sizes_float32_output.jsonl", {}),
+    "gemm_output/sizes_350M": calls_table("gemm_output/sizes_350M.jsonl", {}),
     "fp8_kernels/op_kernels": calls_table(
         "fp8_kernels/op_kernels.jsonl", ABBREV_7B, fields=("variant",)
     ),
