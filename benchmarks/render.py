@@ -301,6 +301,7 @@ E2E_PAGES = (
     "e2e_llama3_8b_group_scale",
     "e2e_llama3_8b_in_backward",
     "e2e_once",
+    "e2e_pipelined",
 )
 
 
