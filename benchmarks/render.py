@@ -552,6 +552,8 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "telemetry/h200_batch1": calls_table("telemetry/e2e.jsonl", {}),
     "fp8_kernels/rule": calls_table("fp8_kernels/rule.jsonl", ABBREV_7B),
     "e2e_fused_apply/calls": calls_table("e2e_fused_apply/e2e.jsonl", {}),
+    "e2e_group_scale/calls": calls_table("e2e_group_scale/e2e.jsonl", {}),
+    "fused_swiglu/7b_largest": calls_table("fused_swiglu/7b_largest.jsonl", ABBREV_7B_UNFUSED),
     "e2e_once/calls": calls_table("e2e_once/e2e.jsonl", {}),
     "e2e_once/split": split_table("e2e_once/e2e.jsonl", {}),
     "e2e_once/probes": calls_table("e2e_once/probes.jsonl", ABBREV_7B, fields=("xla_flags",)),
