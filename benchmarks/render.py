@@ -485,6 +485,52 @@ def telemetry_programs(rel: str) -> Callable[[Callable[[str], str]], str]:
     return render
 
 
+def checkpoint_parts(link: Callable[[str], str]) -> str:
+    """Where a save's time goes (``bench_checkpoint.py``'s record), with its stamp."""
+    r = _records("checkpoint/checkpoint.jsonl")[-1]
+    first, second = r["saves"][0], r["saves"][1]
+    rows = [
+        ("one step, no save (median of 10)", f"{r['step_s']}"),
+        (
+            "`_save_summary` (finiteness and checksums of every leaf), first call (compile "
+            "included) / warm",
+            f"{r['summary_first_s']} / {r['summary_warm_s']}",
+        ),
+        (
+            "the state to pinned host memory (`jax.device_put` to `pinned_host`), first time",
+            f"{r['pinned_1_s']}",
+        ),
+        (
+            "the same, second time (the allocator reuses the memory)",
+            f"{r['pinned_2_s']} ({C.truncated(r['gb'] / r['pinned_2_s'], 0)} GB/s)",
+        ),
+        (
+            "pinned host buffers to numpy (what Orbax hands TensorStore)",
+            f"{r['pinned_to_numpy_2_s']}",
+        ),
+        (
+            "`np.asarray` of the device arrays (pageable memory, what `jax.device_get` does)",
+            f"{r['pageable_s']} ({C.truncated(r['gb'] / r['pageable_s'], 2)} GB/s)",
+        ),
+        (
+            "`Checkpointer.save`, first (after the pinned copies above) / second: blocks the loop",
+            f"{first['blocking_s']} / {second['blocking_s']}",
+        ),
+        (
+            f"steps during the write: extra time over {first['steps_during']} steps, first / second save",
+            f"{first['extra_during_s']} / {second['extra_during_s']}",
+        ),
+        (
+            f"waiting for the rest of the write after those {first['steps_during']} steps, first / second",
+            f"{first['wait_after_s']} / {second['wait_after_s']}",
+        ),
+    ]
+    stamp = f"{r['device'].removeprefix('gpu:')} | {r['jax']} | {r['date'][:10]}"
+    lines = ["| part | seconds | device | JAX | date |", "|---|---|---|---|---|"]
+    lines += [f"| {part} | {secs} | {stamp} |" for part, secs in rows]
+    return "\n".join(lines) + "\n"
+
+
 def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
     """The table ``name`` of ``rel``: a ``"kind": "table"`` record holds a table whose run left
     no raw records, its cells as first published (``columns``, ``rows``), beside the run's
@@ -497,7 +543,8 @@ def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
         t = found[0]
         columns = t["columns"] + ["device", "JAX", "date"]
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        stamp = [t["device"], t["jax"], t["date"][:10] if t["date"] else "not recorded"]
+        stamp = [t["device"] or "not recorded", t["jax"] or "not recorded"]
+        stamp.append(t["date"][:10] if t["date"] else "not recorded")
         lines += ["| " + " | ".join(row + stamp) + " |" for row in t["rows"]]
         return "\n".join(lines) + "\n"
 
@@ -574,6 +621,7 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_kernels/op_kernels": calls_table(
         "fp8_kernels/op_kernels.jsonl", ABBREV_7B, fields=("variant",)
     ),
+    "checkpoint": checkpoint_parts,
     "headline": headline,
     "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
