@@ -367,12 +367,16 @@ def _thousands(x: float) -> str:
 
 
 def calls_table(
-    rel: str, abbrev: dict[str, str], calls: tuple[int, ...] = (), fields: tuple[str, ...] = ()
+    rel: str,
+    abbrev: dict[str, str],
+    calls: tuple[int, ...] = (),
+    fields: tuple[str, ...] = (),
+    only: tuple[str, ...] = (),
 ) -> Callable[[Callable[[str], str]], str]:
     """Every timed run of ``rel`` (``bench_e2e`` records, in the order they ran; only device
-    ``calls`` where given) with its device call, each setting written with ``abbrev``'s short
-    forms and followed by the record's ``fields`` that set it apart, figures truncated;
-    temporaries from the compile record before the run."""
+    ``calls`` and settings starting with one of ``only`` where given) with its device call,
+    each setting written with ``abbrev``'s short forms and followed by the record's ``fields``
+    that set it apart, figures truncated; temporaries from the compile record before the run."""
 
     def render(link: Callable[[str], str]) -> str:
         tr = C.truncated
@@ -388,7 +392,7 @@ def calls_table(
                 continue
             if r.get("kind") == "compile":
                 compiled = r
-            if r.get("kind") != "run":
+            if r.get("kind") != "run" or (only and not r["setting"].startswith(only)):
                 continue
             step = r["step"]
             flight = r.get("tokens_per_s_pipelined")
@@ -601,6 +605,9 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "e2e_fused_apply/calls": calls_table("e2e_fused_apply/e2e.jsonl", {}),
     "e2e_group_scale/calls": calls_table("e2e_group_scale/e2e.jsonl", {}),
     "fused_swiglu/7b_largest": calls_table("fused_swiglu/7b_largest.jsonl", ABBREV_7B_UNFUSED),
+    "memory_options/e2e": calls_table("e2e/e2e.jsonl", {}, only=("coat:scan:activations",)),
+    "memory_options/once": calls_table("e2e_once/e2e.jsonl", {}, only=("coat:scan:activations",)),
+    "memory_options/in_backward": calls_table("e2e_in_backward/e2e.jsonl", {}, only=("coat",)),
     "e2e_once/calls": calls_table("e2e_once/e2e.jsonl", {}),
     "e2e_once/split": split_table("e2e_once/e2e.jsonl", {}),
     "e2e_once/probes": calls_table("e2e_once/probes.jsonl", ABBREV_7B, fields=("xla_flags",)),
