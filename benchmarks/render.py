@@ -14,7 +14,14 @@ Usage::
 
 Each block reuses its benchmark's own report code (``bench_layer.write_docs``,
 ``bench_e2e.summarize``, ``accuracy.summarize``), so a table reads the same whether the
-benchmark wrote it after a run or this script renders it from the committed records.
+benchmark wrote it after a run or this script renders it from the committed records. Beside
+those, one renderer per kind of table: ``calls_table`` and ``split_table`` for any
+``bench_e2e`` records (runs by device call, traced time splits), ``bench_optimizer.table`` for
+the optimizer records, and ``transcribed`` for a table whose run left no raw records: a
+``{"kind": "table", "table": NAME, "columns": [...], "rows": [[...]], ...}`` line of
+``<benchmark>/tables.jsonl`` keeps its cells as first published with the device, JAX version,
+date, command and commit (null where unknown), and renders as block ``<benchmark>/NAME``.
+Every table shows its device, JAX version and date in columns.
 tests/benchmarks/test_rendered.py runs ``--check``.
 """
 
