@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,8 +42,27 @@ def child_env() -> dict:
     return env
 
 
+def git_commit() -> str | None:
+    """The checkout's commit (short hash, ``+`` when tracked files have changes), or ``None``
+    where the benchmarks run from a copy without git or its history."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if shutil.which("git") is None:
+        return None
+    head = subprocess.run(
+        ["git", "-C", root, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True
+    )
+    if head.returncode:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return head.stdout.strip() + ("+" if dirty else "")
+
+
 def environment() -> dict:
-    """Device, JAX version, date and command: what every published number is stamped with."""
+    """Device, JAX version, date and commit: what every published number is stamped with."""
     import jax
 
     dev = jax.devices()[0]
@@ -50,6 +70,7 @@ def environment() -> dict:
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
         "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
         "host": platform.machine(),
     }
 
@@ -175,11 +196,18 @@ def write_results(out: str | None, records: list[dict], title: str, text: str) -
     nothing when ``out`` is ``None``."""
     if not out:
         return
+    write_jsonl(out, records)
+    with open(out + ".md", "w") as f:
+        f.write(f"# {title}\n\n{text}\n")
+
+
+def write_jsonl(out: str | None, records: list[dict]) -> None:
+    """Writes ``OUT.jsonl``, one record per line; nothing when ``out`` is ``None``."""
+    if not out:
+        return
     with open(out + ".jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    with open(out + ".md", "w") as f:
-        f.write(f"# {title}\n\n{text}\n")
 
 
 def rendered(name: str, body: str) -> str:

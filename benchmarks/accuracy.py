@@ -327,6 +327,7 @@ def run_mode(setting: str, mode: str, seeds: list[int], out: Path, args) -> list
             else None,
             "jax": jax.__version__,
             "date": datetime.date.today().isoformat(),
+            "commit": C.git_commit(),
             "command": " ".join(["python", *sys.argv]),
         }
         results = args.results_dir or out

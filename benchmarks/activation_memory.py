@@ -13,17 +13,16 @@ Rows:
 * coat + FP8 attention + fused SwiGLU -- beyond the paper: attention keeps FP8 q, k, v
   (``fp8_attention``) and the MLP keeps FP8 gate and up only (``fp8_swiglu``).
 
-Usage: ``python benchmarks/activation_memory.py [--batch 4] [--seq 2048] [--out PATH]``; writes
-``docs/activation_memory.md`` by default.
+Usage: ``python benchmarks/activation_memory.py [--batch 4] [--seq 2048] [--out OUT]``; writes
+one record per row to ``OUT.jsonl`` (``benchmarks/results/activation_memory/layer.jsonl`` by
+default), from which ``benchmarks/render.py`` renders docs/activation_memory.md's table.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import os
-import platform
 import sys
 
 import jax
@@ -129,78 +128,82 @@ def measure_all(batch: int, seq: int, config: llama.LlamaConfig = LLAMA2_7B):
     return results, batch * seq * config.hidden_size * 2
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "activation_memory.md"))
-    args = parser.parse_args(argv)
-
-    results, unit = measure_all(args.batch, args.seq)
-    config = LLAMA2_7B
-    bf16_bytes = results["bf16"][0]
-
-    command = "python benchmarks/activation_memory.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
-    lines = [
-        "# Activation memory of one Llama-2-7B decoder layer",
-        "",
-        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC with JAX "
-        f"{jax.__version__} on {jax.devices()[0].platform} ({platform.machine()}), by "
-        f"`{command}`.",
-        "",
-        f"Layer: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
-        f"{config.num_attention_heads} heads; batch {args.batch}, seq {args.seq}; master weights "
-        "float32, activations bfloat16. U = batch x seq x hidden x 2 bytes = "
-        f"{unit / 2**20:.0f} MiB.",
-        "",
-        "What is counted: every residual the backward pass keeps (the leaves of the pullback "
-        "`jax.vjp` returns, shapes by `jax.eval_shape`; `coat_jax.residuals`) that depends on the "
-        "layer input. Weight-only residuals (the master weights, q|k|v and gate|up "
-        "concatenations, BF16 weight casts) are weight-sized and left out. Attention is "
-        "rematerialized with `jax.checkpoint` on the CPU, so it keeps q, k, v as cuDNN's flash "
-        "attention does (which also keeps its output and log-sum-exp: +1U on the GPU for the "
-        "BF16 attention rows).",
-        "",
-        "| mode | kept for backward | U | vs bf16 | paper (PyTorch) U | by dtype (U) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, (total, by_dtype, _) in results.items():
-        paper = PAPER_U.get(name, "")
-        dtypes = ", ".join(f"{k} {v / unit:.3f}" for k, v in sorted(by_dtype.items()))
-        lines.append(
-            f"| {name} | {total / 2**30:.3f} GiB | {total / unit:.3f} | "
-            f"{C.times(bf16_bytes / total, 2)} | {paper} | {dtypes} |"
-        )
-    lines += [
-        "",
-        "Residuals of activation size (at least U/100), per mode:",
-        "",
-    ]
-    for name, (_, _, kept) in results.items():
-        big = collections.Counter((r.shape, r.dtype.name) for r in kept if r.nbytes * 100 >= unit)
-        parts = [
-            f"{count} x {dtype}{list(shape)} ({count * r_bytes(shape, dtype) / unit:.3f}U)"
-            for (shape, dtype), count in sorted(big.items(), key=lambda kv: str(kv[0]))
-        ]
-        lines.append(f"- **{name}**: " + "; ".join(parts))
-    text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        fh.write(text)
-    print(text)
-    coat_u = results["coat"][0] / unit
-    ratio = bf16_bytes / results["coat"][0]
-    print(f"target: coat <= 13.5U ({coat_u:.3f}U) and >= 1.6x less than bf16 ({C.times(ratio, 2)})")
-    return 0 if coat_u <= 13.5 and ratio >= 1.6 else 1
-
-
 def r_bytes(shape, dtype) -> int:
     size = 1
     for s in shape:
         size *= s
     return size * jnp.dtype(dtype).itemsize
+
+
+def records_of(results: dict, unit: int, batch: int, seq: int) -> list[dict]:
+    """One record per row of :func:`measure_all`'s results, sizes in U, with the stamp."""
+    stamp = {**C.environment(), "command": C.command_line(), "batch": batch, "seq": seq}
+    out = []
+    for name, (total, by_dtype, kept) in results.items():
+        big = collections.Counter((r.shape, r.dtype.name) for r in kept if r.nbytes * 100 >= unit)
+        residuals_u = [
+            {
+                "count": n,
+                "dtype": dtype,
+                "shape": list(shape),
+                "u": n * r_bytes(shape, dtype) / unit,
+            }
+            for (shape, dtype), n in sorted(big.items(), key=lambda kv: str(kv[0]))
+        ]
+        out.append(
+            {
+                **stamp,
+                "mode": name,
+                "unit_bytes": unit,
+                "u": total / unit,
+                "by_dtype_u": {k: v / unit for k, v in sorted(by_dtype.items())},
+                "residuals": residuals_u,
+            }
+        )
+    return out
+
+
+def report(records: list[dict]) -> str:
+    """The table of ``records`` (kept bytes per mode, each with its stamp) and each mode's
+    activation-sized residuals, as Markdown."""
+    bf16 = next(r for r in records if r["mode"] == "bf16")
+    lines = [
+        "| mode | kept for backward | U | vs bf16 | paper (PyTorch) U | by dtype (U) "
+        "| batch x seq | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        dtypes = ", ".join(f"{k} {v:.3f}" for k, v in r["by_dtype_u"].items())
+        lines.append(
+            f"| {r['mode']} | {r['u'] * r['unit_bytes'] / 2**30:.3f} GiB | {r['u']:.3f} | "
+            f"{C.times(bf16['u'] / r['u'], 2)} | {PAPER_U.get(r['mode'], '')} | {dtypes} | "
+            f"{r['batch']} x {r['seq']} | {r['device']} | {r['jax']} | {r['date'][:10]} |"
+        )
+    lines += ["", "Residuals of activation size (at least U/100), per mode:", ""]
+    for r in records:
+        parts = [f"{x['count']} x {x['dtype']}{x['shape']} ({x['u']:.3f}U)" for x in r["residuals"]]
+        lines.append(f"- **{r['mode']}**: " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--out", default=os.path.join(ROOT, "benchmarks", "results", "activation_memory", "layer")
+    )
+    args = parser.parse_args(argv)
+
+    results, unit = measure_all(args.batch, args.seq)
+    records = records_of(results, unit, args.batch, args.seq)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    C.write_jsonl(args.out, records)
+    print(report(records))
+    bf16_bytes = results["bf16"][0]
+    coat_u = results["coat"][0] / unit
+    ratio = bf16_bytes / results["coat"][0]
+    print(f"target: coat <= 13.5U ({coat_u:.3f}U) and >= 1.6x less than bf16 ({C.times(ratio, 2)})")
 
 
 if __name__ == "__main__":

@@ -525,7 +525,8 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
     lines = [f"# train.py's {model} training step on one GPU: BF16 against COAT", ""]
     if env:
         lines += [
-            f"Measured {env['date']} on {env['device']} with JAX {env['jax']}, by `{command}`.",
+            f"By `{command}`; each setting's device, JAX version and date are in the table of "
+            "every setting.",
             f"Sequence length {env['seq']}. Every number comes from `train.py`'s own step: "
             f"`{config}` loaded by `coat_jax.training.load_config`, the step built "
             "by `coat_jax.training.program.build_program` (forward, backward, the config's gradient "
@@ -607,8 +608,8 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
         f"| setting | optimizer | params + opt state (GiB) | init s | compile s (batch "
         f"{equal_batch}) | peak at batch {equal_batch} (GiB) | tokens/s at batch {equal_batch} | "
         f"same, one step in flight | largest batch | peak there (GiB) | tokens/s there | "
-        "FP8 GEMMs in HLO |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "FP8 GEMMs in HLO | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in by.items():
         setup = m.get("setup", {})
@@ -624,7 +625,8 @@ def write_docs(path: str | None, records: list[dict], equal_batch: int, command:
             f"{C.gib(e.get('peak_bytes_in_use'))} | {_tokens(e.get('tokens_per_s'))} | "
             f"{_tokens(e.get('tokens_per_s_pipelined'))} | {mb or 'n/a'} | "
             f"{C.gib(x.get('peak_bytes_in_use'))} | {_tokens(x.get('tokens_per_s'))} | "
-            f"{comp.get('fp8_gemms', 'n/a')} |"
+            f"{comp.get('fp8_gemms', 'n/a')} | {setup.get('device', 'n/a')} | "
+            f"{setup.get('jax', 'n/a')} | {setup.get('date', 'n/a')[:10]} |"
         )
     if firsts:
         lines += [

@@ -881,7 +881,7 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
         steps = [r for r in records if r["kind"] == "layer_step"]
         clip = steps[0].get("grad_clip") if steps else None
         lines += [
-            f"Measured {r0['date']} on {r0['device']} with JAX {r0['jax']}, by `{command}`.",
+            f"By `{command}`; each row's device, JAX version and date are in its last columns.",
             f"Layer: `Llama.decoder` of train.py's model with one layer (`build_program`), "
             f"remat `{r0.get('remat', 'none')}`, seq {r0['seq']}, float32 master weights, "
             "bfloat16 activations; each mode in its own process. Time: median of the jitted "
@@ -907,8 +907,8 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
         "| batch | mode | time (ms) | TFLOP/s | speed vs bf16 | layer step (ms) | step vs bf16 "
         "| activations (U) | paper U | act. vs bf16 | weight codes kept (MiB) "
         "| compiled peak (GiB) | peak_bytes_in_use (GiB) | FP8 GEMMs | kernels | step kernels "
-        "| fp8 transposes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fp8 transposes | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     variants = sorted({_variant(r) for r in rows}, key=lambda v: (MODES.index(v.split("/")[0]), v))
     for batch in sorted({r["batch"] for r in rows}):
@@ -917,7 +917,7 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
         for variant in variants:
             r = _find(records, "layer", batch, variant)
             if r is None:
-                lines.append(f"| {batch} | {variant} | not measured |" + " |" * 14)
+                lines.append(f"| {batch} | {variant} | not measured |" + " |" * 17)
                 continue
             step = _find(records, "layer_step", batch, variant)
             speed = C.ratio(b["time"]["median_s"], r["time"]["median_s"]) if b else "n/a"
@@ -936,7 +936,8 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
                 f"{PAPER_U[r['mode']]} | {act_ratio} | {_mib(r.get('weight_code_bytes'))} | "
                 f"{C.gib(r['compiled_memory'].get('peak'))} | {C.gib(r['peak_bytes_in_use'])} | "
                 f"{r['fp8_gemms']} | {kernels.get('total', 'n/a')} | {step_kernels} | "
-                f"{kernels.get('fp8_transposes', 'n/a')} |"
+                f"{kernels.get('fp8_transposes', 'n/a')} | {r['device']} | {r['jax']} | "
+                f"{r['date'][:10]} |"
             )
     ooms = [r for r in records if r["kind"] == "oom"]
     if ooms:

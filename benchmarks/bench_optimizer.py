@@ -15,7 +15,7 @@ real state leaves' nbytes, and XLA's compiled.memory_analysis()).
     python benchmarks/bench_optimizer.py                       # all 32 layers (6.74B parameters)
     python benchmarks/bench_optimizer.py --layers 2 --reps 3   # a quick look
     python benchmarks/bench_optimizer.py --layers 16           # an 80 GB card (H100)
-    python benchmarks/bench_optimizer.py --docs docs/benchmarks.md   # also write the results
+    python benchmarks/bench_optimizer.py --json OUT.json      # the record (render.py reads it)
     python benchmarks/bench_optimizer.py --kernel-mesh --only "coat_adamw pallas"   # sharded
 
 ``--kernel-mesh`` adds ``coat_adamw(..., mesh=...)`` on a ``(data=1, fsdp=1)`` mesh: the kernel
@@ -54,7 +54,6 @@ from coat_jax.training import sharding  # noqa: E402
 from pallas_kernels import coat_adam as ca  # noqa: E402
 
 LR, B1, B2, EPS, WD = 1e-4, 0.9, 0.999, 1e-8, 0.1
-SECTION = "## Optimizer step"
 # --interpret runs the Pallas paths in interpret mode: a CPU smoke test of this script only.
 INTERPRET = False
 
@@ -306,68 +305,71 @@ def sweep(args, grads_dtype):
     return rows
 
 
-def markdown(meta, copy_bw, results, sweep_rows):
-    base = next(r for r in results if r["name"] == "optax.adamw (f32 moments)")
+def setting_text(config: dict) -> str:
+    """A launch setting in :func:`parse_setting`'s syntax, from a record's ``config``; the
+    ``folded`` and ``prefetch`` forms of records of earlier kernels keep their names."""
+    parts = [str(config["block_rows"]), str(config["num_warps"])]
+    if config["num_stages"] > 1:
+        parts.append(f"s{config['num_stages']}")
+    if config["tiles"] > 1:
+        parts.append(f"t{config['tiles']}")
+    parts += [flag for flag in ("flat_stats", "folded", "prefetch") if config.get(flag)]
+    if not config["fast_math"]:
+        parts.append("exact")
+    return "/".join(parts).replace("flat_stats", "flat")
+
+
+def _tree(meta: dict) -> str:
+    layout = "stacked" if meta.get("stacked") else "per layer"
+    return f"{meta['layers']} layers, {layout}, {meta['grad_dtype']} gradients"
+
+
+def table(runs: list[tuple[str, dict]]) -> list[str]:
+    """The whole-tree steps of ``runs`` (``(record name, --json record)``) as a Markdown table:
+    each optimizer against ``optax.adamw`` (float32 moments) of its own run, bandwidth by the
+    byte count against the copy of its own process, figures truncated."""
+    tr = C.truncated
     lines = [
-        SECTION,
-        "",
-        f"- device: {meta['device']} ({meta['platform']}), JAX {meta['jax']}, {meta['date']}",
-        f"- command: `{meta['command']}`",
-        f"- tree: Llama-2-7B shapes, {meta['layers']} layers, {meta['n_params'] / 1e9:.3f}B "
-        f"parameters in {meta['n_leaves']} arrays; params float32, gradients {meta['grad_dtype']}",
-        f"- copy bandwidth (bytes read + written): jnp.copy {copy_bw['copy'] / 1e12:.2f} TB/s, "
-        f"x*2 {copy_bw['x*2'] / 1e12:.2f} TB/s; the % column uses "
-        f"{reference_bandwidth(copy_bw) / 1e12:.2f} TB/s",
-        f"- timing: {meta['warmup']} warm-up steps, then the median of {meta['reps']} timings of "
-        f"{meta['steps']} back-to-back steps (device-synchronised)",
-        "- bytes/step by our count: read p, g and the state, write p and the state; the optax "
-        "chains of coat_adamw also write and re-read the update (in the gradient dtype). The "
-        "jnp path moves more than its count (it makes several passes): its figure is the "
-        "bandwidth the same work would need.",
-        "",
-        "| optimizer | step ms | vs optax f32 | GB moved | B/param | TB/s | % of copy "
-        "| state GB | state vs optax | XLA temp GB |",
+        "| record | tree | optimizer | step ms [min, max] | vs optax.adamw | TB/s (% of copy) "
+        "| state GB | device | JAX | date |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    bw_ref = reference_bandwidth(copy_bw)
-    for r in results:
-        bw = r["bytes_moved"] / r["median_s"]
-        temp = r["temp_bytes"]
-        lines.append(
-            f"| {r['name']} | {r['median_s'] * 1e3:.2f} | {C.times(r['median_s'] / base['median_s'], 2)} "
-            f"| {r['bytes_moved'] / 1e9:.1f} | {r['bytes_moved'] / meta['n_params']:.2f} "
-            f"| {bw / 1e12:.2f} | {100 * bw / bw_ref:.0f}% | {r['state_bytes'] / 1e9:.2f} "
-            f"| {C.times(r['state_bytes'] / base['state_bytes'])} "
-            f"| {'' if temp is None else f'{temp / 1e9:.2f}'} |"
-        )
-    if sweep_rows:
-        lines += [
-            "",
-            "Kernel launch settings (fused apply, one decoder layer's 9 arrays, "
-            f"{sweep_rows[0]['bytes_moved'] / 1e9:.2f} GB per step):",
-            "",
-            "| block_rows | num_warps | fast_math | step ms | TB/s |",
-            "|---|---|---|---|---|",
-        ]
-        for r in sweep_rows:
-            c = r["config"]
+    for rel, run in runs:
+        meta = run["meta"]
+        base = next((r for r in run["results"] if r["name"] == "optax.adamw (f32 moments)"), None)
+        # Records that kept only the printed copy bandwidth show no percentage.
+        bw_ref = reference_bandwidth(run["copy_bw"]) if "copy_bw" in run else None
+        name = rel + (f" ({run['variant']})" if "variant" in run else "")
+        for r in run["results"]:
+            bw = r["bytes_moved"] / r["median_s"]
+            vs = C.ratio(r["median_s"], base["median_s"]) if base else "-"
             lines.append(
-                f"| {c['block_rows']} | {c['num_warps']} | {c['fast_math']} "
-                f"| {r['median_s'] * 1e3:.3f} | {r['bytes_moved'] / r['median_s'] / 1e12:.2f} |"
+                f"| `{name}` | {_tree(meta)} | {r['name']} | {tr(r['median_s'] * 1e3, 2)} "
+                f"[{tr(r['min_s'] * 1e3, 2)}, {tr(r['max_s'] * 1e3, 2)}] | {vs} | "
+                f"{tr(bw / 1e12, 2)}{f' ({tr(100 * bw / bw_ref, 0)}%)' if bw_ref else ''} | "
+                f"{tr(r['state_bytes'] / 1e9, 2)} "
+                f"| {meta['device']} | {meta['jax']} | {meta['date'][:10]} |"
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def write_section(path: Path, section: str):
-    """Replaces this benchmark's section of ``path`` (other sections stay as they are)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1 :])
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+def sweep_table(runs: list[tuple[str, dict]]) -> list[str]:
+    """The launch settings each of ``runs`` swept on one decoder layer (fused apply)."""
+    tr = C.truncated
+    lines = [
+        "| record | setting | one layer ms [min, max] | TB/s | device | JAX | date |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rel, run in runs:
+        meta = run["meta"]
+        for r in run.get("sweep", []):
+            lines.append(
+                f"| `{rel}` | {setting_text(r['config'])} | {tr(r['median_s'] * 1e3, 3)} "
+                f"[{tr(r['min_s'] * 1e3, 3)}, {tr(r['max_s'] * 1e3, 3)}] | "
+                f"{tr(r['bytes_moved'] / r['median_s'] / 1e12, 2)} | {meta['device']} | "
+                f"{meta['jax']} | {meta['date'][:10]} |"
+            )
+    return lines
 
 
 def main(argv=None):
@@ -401,7 +403,6 @@ def main(argv=None):
         help="one array per projection with a layer axis (train.py's scan_layers layout)",
     )
     ap.add_argument("--only", default="", help="comma-separated subset of optimizer names")
-    ap.add_argument("--docs", type=Path, help="markdown file to write the results section into")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--width", type=int, default=1, help="divide every dimension (smoke tests)")
     ap.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")
@@ -420,6 +421,7 @@ def main(argv=None):
         "platform": dev.platform,
         "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": C.git_commit(),
         "command": "python " + " ".join(sys.argv),
         "layers": args.layers,
         "stacked": args.stacked,
@@ -525,9 +527,6 @@ def main(argv=None):
             f"{r['name'][:34]:34s} {r['median_s'] * 1e3:8.2f} {rel_t:7.2f} {bw / 1e12:6.2f} "
             f"{100 * bw / bw_ref:5.0f}% {r['state_bytes'] / 1e9:9.2f} {rel_s:7.3f}"
         )
-    if args.docs and base is not None:
-        write_section(args.docs, markdown(meta, copy_bw, results, sweep_rows))
-        print("wrote", args.docs)
 
 
 if __name__ == "__main__":

@@ -346,6 +346,23 @@ def pays_sentence(rows: list[dict]) -> str:
     )
 
 
+TITLE = "From which model size COAT pays: train.py's training step, BF16 against COAT"
+
+
+def size_record(size: Size, settings: list[str]) -> dict:
+    """The sweep's ``size`` record of ``size`` run with ``settings``."""
+    shape = dataclasses.asdict(size)
+    return {
+        "kind": "size",
+        "name": size.name,
+        "batch": shape.pop("batch"),
+        "seq": shape.pop("seq"),
+        "shape": {k: v for k, v in shape.items() if k not in ("name", "budget_s")},
+        "embedding_params": size.embedding_params(),
+        "settings": settings,
+    }
+
+
 def write_docs(path: str | None, out_dir: str) -> str:
     sweep = C.read_jsonl(os.path.join(out_dir, "sweep.jsonl"))
     size_recs = [r for r in sweep if r["kind"] == "size"]
@@ -356,7 +373,7 @@ def write_docs(path: str | None, out_dir: str) -> str:
         for name in dict.fromkeys(r["name"] for r in size_recs)
     }
     rows = summarize(size_recs, e2e)
-    text = report(rows, sweep, [r for rs in e2e.values() for r in rs if r["kind"] == "setup"])
+    text = f"# {TITLE}\n\n" + report(rows, sweep)
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
@@ -364,27 +381,16 @@ def write_docs(path: str | None, out_dir: str) -> str:
     return text
 
 
-def report(rows: list[dict], sweep: list[dict], setups: list[dict]) -> str:
+def report(rows: list[dict], sweep: list[dict]) -> str:
     commands = list(dict.fromkeys(r["command"] for r in sweep if r["kind"] == "command"))
-    devices = ", ".join(dict.fromkeys(r["device"] for r in setups)) or "n/a"
-    jax_versions = ", ".join(dict.fromkeys(r["jax"] for r in setups)) or "n/a"
-    dates = sorted(r["date"] for r in setups)
-    when = (
-        (dates[0] if dates[0][:10] == dates[-1][:10] else f"{dates[0]} to {dates[-1]}")
-        if dates
-        else "n/a"
-    )
     modes = [m for m in E.MODES if any(m in r["best"] for r in rows)]
     settings = {
         m: list(dict.fromkeys(s for r in rows for s in r["settings"] if s.startswith(m + ":")))
         for m in E.MODES
     }
     lines = [
-        "# From which model size COAT pays: train.py's training step, BF16 against COAT",
-        "",
-        f"Measured {when} on {devices} with JAX {jax_versions}, by `"
-        + "` then `".join(commands)
-        + "`.",
+        "By `" + "` then `".join(commands) + "`; each run's device, JAX version and date are "
+        "in the last table.",
         "",
         "Every number is `train.py`'s own step, timed by `benchmarks/bench_e2e.py --no-search` "
         "(one run per size, each setting in its own process): `configs/default.yaml` with the "
@@ -450,8 +456,8 @@ def report(rows: list[dict], sweep: list[dict], setups: list[dict]) -> str:
         "Every setting measured:",
         "",
         "| size | setting | tokens/s | tokens/s, one step in flight | step ms | model TFLOP/s "
-        "| compile s | FP8 GEMMs in HLO |",
-        "|---|---|---|---|---|---|---|---|",
+        "| compile s | FP8 GEMMs in HLO | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for s, run in r["runs"].items():
@@ -461,7 +467,8 @@ def report(rows: list[dict], sweep: list[dict], setups: list[dict]) -> str:
             lines.append(
                 f"| {r['name']} | `{s}` | {run['tokens_per_s']:,.0f} | {flight} | "
                 f"{run['step']['median_s'] * 1e3:.2f} | {run['model_tflops']:.1f} | "
-                f"{comp.get('compile_s', 'n/a')} | {comp.get('fp8_gemms', 'n/a')} |"
+                f"{comp.get('compile_s', 'n/a')} | {comp.get('fp8_gemms', 'n/a')} | "
+                f"{run['device']} | {run['jax']} | {run['date'][:10]} |"
             )
     walls = [f"{r['name']} {r['wall_s']:.0f} s" for r in rows if r["wall_s"] is not None]
     if walls:
@@ -514,17 +521,7 @@ def main(argv=None) -> None:
     for size, budget in zip(sizes, size_budgets, strict=True):
         folder = os.path.join(args.out_dir, size.name)
         os.makedirs(folder, exist_ok=True)
-        shape = dataclasses.asdict(size)
-        rec = {
-            "kind": "size",
-            "name": size.name,
-            "batch": shape.pop("batch"),
-            "seq": shape.pop("seq"),
-            "shape": {k: v for k, v in shape.items() if k not in ("name", "budget_s")},
-            "embedding_params": size.embedding_params(),
-            "settings": settings,
-            "budget_s": budget,
-        }
+        rec = {**size_record(size, settings), "budget_s": budget}
         # Written before the run too, so that a sweep stopped inside this size still reports it.
         C.append_jsonl(sweep, rec)
         t0 = time.monotonic()

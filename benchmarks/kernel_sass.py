@@ -17,8 +17,9 @@ This is a count, not a timing (timings: ``bench_optimizer.py`` on a GPU). Needs,
 ``JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``), a ``ptxas`` that reads the PTX version
 the plugin writes (``nvidia-cuda-nvcc-cu12`` 12.9 for JAX 0.10), and ``cuobjdump`` (any CUDA
 toolkit, or the ``triton`` wheel's ``backends/nvidia/bin``). ``--ptxas``/``--cuobjdump`` name
-them where they are not on ``PATH``. Writes ``OUT.jsonl`` and ``OUT.md`` with the environment
-and command, and ``OUT.<setting>.sass`` listings when ``--keep-sass``.
+them where they are not on ``PATH``. Writes ``OUT.jsonl`` (one record per setting, with the
+environment and command; ``benchmarks/render.py`` renders docs/kernel_sass_optimizer.md's table
+from the committed records) and ``OUT.<setting>.sass`` listings when ``--keep-sass``.
 """
 
 from __future__ import annotations
@@ -234,10 +235,41 @@ def count(setting: str, ptxas: str, cuobjdump: str, keep: str | None) -> dict:
     }
 
 
+def _fast_path(r: dict, key: str):
+    """``r[key]`` over the kernel's fast path: records of a kernel with a flush-to-zero branch
+    count the path without it (``key + "_fast_path"``), others count every instruction."""
+    return r[f"{key}_fast_path"] if f"{key}_fast_path" in r else r[key]
+
+
+def table(records: list[dict]) -> list[str]:
+    """The counts of ``records`` as a Markdown table, per element against the first setting,
+    load positions as fractions of the instruction order (truncated), each with its stamp."""
+    tr = C.truncated
+    base = _fast_path(records[0], "per_element")
+    lines = [
+        "| setting | SASS (all) | fast path | branches left out | per element | MUFU per element "
+        f"| per element vs {records[0]['setting']} | global loads (last at) | 128-bit loads at "
+        "| ptxas | device | JAX | ptxas version | date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['setting']} | {r['sass_total']} | {r.get('sass_fast_path', r['sass_total'])} | {r.get('branches_left_out', 0)} | "
+            f"{tr(_fast_path(r, 'per_element'), 2)} | "
+            f"{tr(_fast_path(r, 'mufu') / r['elements_per_thread'], 2)} | "
+            f"{C.times(_fast_path(r, 'per_element') / base)} | "
+            f"{r['loads']} ({tr(100 * r['last_load_at'], 0)}%) | "
+            f"{', '.join(f'{tr(100 * x, 0)}%' for x in r['wide_loads_at'])} | "
+            f"{r['resources']} | {r['device']} | {r['jax']} | {r['ptxas_version']} | "
+            f"{r['date'][:10]} |"
+        )
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default="16/4,16/4/t2")
-    ap.add_argument("--out", help="write OUT.jsonl and OUT.md")
+    ap.add_argument("--out", help="write the records to OUT.jsonl")
     ap.add_argument("--ptxas")
     ap.add_argument("--cuobjdump")
     ap.add_argument("--keep-sass", action="store_true", help="also write OUT.<setting>.sass")
@@ -259,34 +291,8 @@ def main(argv=None):
             f"{C.truncated(r['per_element'], 2)} per element ({r['resources']})",
             flush=True,
         )
-    base = records[0]["per_element"]
-    table = [
-        "| setting | SASS | per element | MUFU per element "
-        f"| per element vs {records[0]['setting']} | global loads (last at) | 128-bit loads at "
-        "| ptxas |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in records:
-        table.append(
-            f"| {r['setting']} | {r['sass_total']} | {C.truncated(r['per_element'], 2)} | "
-            f"{C.truncated(r['mufu'] / r['elements_per_thread'], 2)} | "
-            f"{C.times(r['per_element'] / base)} | "
-            f"{r['loads']} ({C.truncated(100 * r['last_load_at'], 0)}%) | "
-            f"{', '.join(f'{C.truncated(100 * x, 0)}%' for x in r['wide_loads_at'])} | "
-            f"{r['resources']} |"
-        )
-    print("\n".join(table))
-    head = records[0]
-    text = (
-        f"`{head['command']}`; compiled on {head['device']}, JAX {head['jax']}, ptxas "
-        f"{head['ptxas_version']}, "
-        f"{head['date']}. One thread's SASS (sm_90a) of the fused apply on a {SHAPE} "
-        "float32 parameter, float32 gradients, E4M3 moments with expansion. Loads at: "
-        "positions in the instruction order (0% first, 100% last; truncated); "
-        "with a tile loop (`tN`) the listing holds the prologue and the loop body once, so per "
-        "element counts one tile's elements against both.\n\n" + "\n".join(table)
-    )
-    C.write_results(args.out, records, "Compiled instruction counts of the COAT AdamW kernel", text)
+    print("\n".join(table(records)))
+    C.write_jsonl(args.out, records)
 
 
 if __name__ == "__main__":

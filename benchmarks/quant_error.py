@@ -4,17 +4,16 @@ Trains a small Llama (coat_jax.Llama, BF16 mode, float32 master weights) on the 
 public-domain corpus with ``optax.adamw`` (float32 moments), takes Adam's first and second moments
 from that run, quantizes them with each format pair, with and without Dynamic Range Expansion,
 and reports the mean squared error of the Adam direction ``m / (sqrt(v) + eps)`` between the
-float32 moments and their FP8 round trip. Writes ``docs/quant_error.md``.
+float32 moments and their FP8 round trip. Writes one record per format pair to ``OUT.jsonl``;
+``benchmarks/render.py`` renders docs/quant_error.md's table from the committed records.
 
-    python benchmarks/quant_error.py [--steps 300] [--out docs/quant_error.md]
+    python benchmarks/quant_error.py [--steps 300] [--out benchmarks/results/quant_error/run]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
-import platform
 import sys
 import tarfile
 import time
@@ -135,57 +134,60 @@ def direction_mse(mus, nus, mu_fmt, mu_exp, nu_fmt, nu_exp):
     return se / n, ae / n, zero_v / n
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "quant_error.md"))
-    args = ap.parse_args(argv)
-    t0 = time.time()
-    mus, nus, losses, n_params = train_moments(args.steps)
-    train_s = time.time() - t0
-    rows = []
-    for label, mf, me, nf, ne in CONFIGS:
-        rows.append((label, *direction_mse(mus, nus, mf, me, nf, ne)))
-    base = dict((r[0], r[1]) for r in rows)
-    ratio = base["E4M3 / E4M3"] / base["E4M3 + expand / E4M3 + expand"]
+def report(records: list[dict]) -> str:
+    """The run's moments, the table of ``records`` (one per format pair) with its stamp, and
+    the ratio the paper reports, as Markdown."""
+    by = {r["case"]: r for r in records}
+    run = records[0]
+    ratio = by["E4M3 / E4M3"]["mse"] / by["E4M3 + expand / E4M3 + expand"]["mse"]
     paper_ratio = PAPER["E4M3 / E4M3"] / PAPER["E4M3 + expand / E4M3 + expand"]
-
     lines = [
-        "# Optimizer-state quantization error (the paper's Table 1)",
+        f"Moments after {run['steps']} steps: loss {run['loss_first']:.3f} -> "
+        f"{run['loss_last']:.3f}; {run['params_measured']:,} weight-matrix parameters measured; "
+        f"training took {run['train_s']:.0f} s.",
         "",
-        f"- command: `python {' '.join(['benchmarks/quant_error.py', *(argv or sys.argv[1:])])}`",
-        f"- date: {datetime.date.today().isoformat()}, device: {jax.devices()[0].device_kind} "
-        f"({jax.default_backend()}, {platform.machine()}), JAX {jax.__version__}",
-        f"- moments: `optax.adamw` (lr 1e-3, wd 0.1) float32 moments after {args.steps} steps "
-        f"of a 4-layer, hidden-256 `coat_jax.Llama` (BF16 mode) on the bundled corpus "
-        f"(byte tokens, batch 16 x 128); loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}; "
-        f"{n_params:,} weight-matrix parameters measured; training took {train_s:.0f} s",
-        "- metric: mean over those parameters of (m/(sqrt(v)+1e-8) - m'/(sqrt(v')+1e-8))^2, "
-        "m', v' the FP8 round trip, groups of 128",
-        "",
-        "| first / second moment | MSE (ours) | paper's MSE | mean abs error | v flushed to 0 |",
-        "|---|---|---|---|---|",
+        "| first / second moment | MSE (ours) | paper's MSE | mean abs error | v flushed to 0 "
+        "| device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for label, mse, mae, flushed in rows:
-        paper = PAPER.get(label)
+    for r in records:
+        paper = PAPER.get(r["case"])
         lines.append(
-            f"| {label} | {mse:.4g} | {paper if paper is not None else '-'} | {mae:.4g} "
-            f"| {flushed:.4%} |"
+            f"| {r['case']} | {r['mse']:.4g} | {paper if paper is not None else '-'} | "
+            f"{r['mae']:.4g} | {r['v_flushed']:.4%} | {r['device']} | {r['jax']} | "
+            f"{r['date'][:10]} |"
         )
     lines += [
         "",
         f"Expansion on both moments lowers the error {C.times(ratio, 2)} (E4M3/E4M3 -> "
         f"E4M3+expand/E4M3+expand); the paper's is {C.times(paper_ratio, 2)} (20.10 -> 12.31).",
-        "The absolute values are not comparable with the paper's (its model, step and scaling "
-        "of the metric differ); the ratios are. A second moment that flushes to zero turns its "
-        "direction into m/1e-8, so the MSE is sensitive to rare outliers; the mean absolute "
-        "error is not.",
-        "",
     ]
-    text = "\n".join(lines)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quant_error" / "run"))
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    mus, nus, losses, n_params = train_moments(args.steps)
+    run = {
+        **C.environment(),
+        "command": C.command_line(),
+        "steps": args.steps,
+        "loss_first": losses[0],
+        "loss_last": float(np.mean(losses[-10:])),
+        "params_measured": n_params,
+        "train_s": time.time() - t0,
+    }
+    records = []
+    for label, mf, me, nf, ne in CONFIGS:
+        mse, mae, flushed = direction_mse(mus, nus, mf, me, nf, ne)
+        records.append({**run, "case": label, "mse": mse, "mae": mae, "v_flushed": flushed})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    C.write_jsonl(args.out, records)
+    print(report(records))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ Usage::
 
 Each block reuses its benchmark's own report code (``bench_layer.write_docs``,
 ``bench_e2e.summarize``, ``accuracy.summarize``), so a table reads the same whether the
-benchmark wrote it after a run or this script renders it from the committed records.
+benchmark wrote it after a run or this script renders it from the committed records. Beside
+those, one renderer per kind of table: ``calls_table`` and ``split_table`` for any
+``bench_e2e`` records (runs by device call, traced time splits), ``bench_optimizer.table`` for
+the optimizer records, and ``transcribed`` for a table whose run left no raw records: a
+``{"kind": "table", "table": NAME, "columns": [...], "rows": [[...]], ...}`` line of
+``<benchmark>/tables.jsonl`` keeps its cells as first published with the device, JAX version,
+date, command and commit (null where unknown), and renders as block ``<benchmark>/NAME``.
+Every table shows its device, JAX version and date in columns.
 tests/benchmarks/test_rendered.py runs ``--check``.
 """
 
@@ -32,10 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 import accuracy  # noqa: E402
+import activation_memory  # noqa: E402
 import bench_e2e  # noqa: E402
 import bench_layer  # noqa: E402
+import bench_optimizer  # noqa: E402
+import bench_sizes  # noqa: E402
 import fp8_cast  # noqa: E402
 import fp8_tiles  # noqa: E402
+import kernel_sass  # noqa: E402
+import quant_error  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -77,7 +89,7 @@ def _optimizer_rows() -> list[Row]:
     by = {r["name"]: r for r in run["results"]}
     optax, coat = by["optax.adamw (f32 moments)"], by["coat_adamw pallas (fused apply)"]
     meta = run["meta"]
-    page = "notes_optimizer_kernel.md"
+    page = "optimizer_kernel.md"
     return [
         Row(
             "optimizer state, Llama-2-7B tree",
@@ -116,8 +128,7 @@ def _e2e_rows() -> list[Row]:
     peak = lambda r: r.get("peak_bytes_in_use")
     rel_oib, rel_bf16 = "e2e_in_backward/e2e.jsonl", "e2e/e2e.jsonl"
     oib = _runs(
-        _records(rel_oib),
-        "coat:scan:activations:optimizer.in_backward=true+optimizer.grad_clip=null",
+        _records(rel_oib), "coat:scan:activations:optimizer_in_backward=true+grad_clip=null"
     )
     coat_b1 = next(r for r in oib if r["batch"] == 1)
     bf16_b1 = _best_bf16(_records(rel_bf16), peak, batch=1, low=True)
@@ -126,9 +137,9 @@ def _e2e_rows() -> list[Row]:
     coat_big = max(
         _runs(
             big,
-            "coat:scan:activations:optimizer.in_backward=true+optimizer.grad_clip=null+precision.fp8_attention=true"
-            "+memory.loss_chunk_size=2048+precision.fp8_group_scale=e8m0+precision.fp8_weight_residual=master"
-            "+precision.fp8_swiglu=fused",
+            "coat:scan:activations:optimizer_in_backward=true+grad_clip=null+fp8_attention=true"
+            "+loss_chunk_size=2048+fp8_group_scale=e8m0+fp8_weight_residual=master"
+            "+fp8_swiglu=fused",
         ),
         key=lambda r: r["tokens_per_s"],
     )
@@ -136,9 +147,7 @@ def _e2e_rows() -> list[Row]:
     rel_b1 = "excess_precision/7b_b1.jsonl"
     b1 = _records(rel_b1)
     pipelined = lambda r: r.get("tokens_per_s_pipelined")
-    coat_1 = _runs(b1, "coat:unrolled:none:precision.fp8_swiglu=fused+xla.excess_precision=false")[
-        0
-    ]
+    coat_1 = _runs(b1, "coat:unrolled:none:fp8_swiglu=fused+xla_excess_precision=false")[0]
     bf16_1 = _best_bf16(b1, pipelined, batch=1)
     return [
         Row(
@@ -241,7 +250,7 @@ def history(link: Callable[[str], str]) -> str:
             config = m.get("setup", {}).get("config")
             if config not in (None, "configs/llama2_7b.yaml") or "model." in setting:
                 continue  # another model
-            if "precision.fp8_attention_backward=saved_output" in setting:
+            if "fp8_attention_backward=saved_output" in setting:
                 continue  # an option with an accuracy cost (bench_attention_backward.md)
             for run in m["runs"].values():
                 mode = m["rec"]["mode"]
@@ -299,6 +308,7 @@ E2E_PAGES = (
     "e2e_llama3_8b_group_scale",
     "e2e_llama3_8b_in_backward",
     "e2e_once",
+    "e2e_pipelined",
 )
 
 
@@ -311,21 +321,344 @@ def records_table(rel: str, table: Callable[[list[dict]], list[str]]):
     return render
 
 
+def optimizer_runs() -> list[tuple[str, dict]]:
+    """Every ``bench_optimizer.py --json`` record under ``optimizer/`` (a ``.json`` file holds
+    one run, a ``.jsonl`` file one per line), oldest first."""
+    runs = []
+    for path in sorted((RESULTS / "optimizer").glob("*.json*")):
+        rel = path.relative_to(RESULTS).as_posix()
+        runs += [(rel, _json(rel))] if path.suffix == ".json" else [(rel, r) for r in _records(rel)]
+    return sorted((r for r in runs if "meta" in r[1]), key=lambda r: r[1]["meta"]["date"])
+
+
+def optimizer_table(table: Callable[[list[tuple[str, dict]]], list[str]]):
+    """``table`` (one of ``bench_optimizer``'s) of every optimizer record."""
+
+    def render(link: Callable[[str], str]) -> str:
+        return "\n".join(table(optimizer_runs())) + "\n"
+
+    return render
+
+
+def sizes_page(size: str) -> Callable[[Callable[[str], str]], str]:
+    """``bench_sizes.py``'s report of one size from its ``bench_e2e`` records
+    (``sizes/<size>.jsonl``), the settings as the records name them."""
+
+    def render(link: Callable[[str], str]) -> str:
+        records = _records(f"sizes/{size}.jsonl")
+        settings = [bench_sizes.sweep_setting(r["setting"]) for r in records if "setting" in r]
+        sweep = [bench_sizes.size_record(bench_sizes.SIZES[size], list(dict.fromkeys(settings)))]
+        rows = bench_sizes.summarize(sweep, {size: records})
+        return bench_sizes.report(rows, [r for r in records if r.get("kind") == "command"])
+
+    return render
+
+
+def _label(setting: str, abbrev: dict[str, str]) -> str:
+    """``setting`` with ``abbrev``'s short forms, a ``bench_sizes.py`` size's model overrides
+    written as the size's name."""
+    if "model." in setting:
+        base = bench_sizes.sweep_setting(setting)
+        sizes = [
+            n for n, z in bench_sizes.SIZES.items() if bench_sizes.with_model(base, z) == setting
+        ]
+        setting = f"{base} ({sizes[0]})" if sizes else setting
+    for long, short in abbrev.items():
+        setting = setting.replace(long, short)
+    return setting
+
+
+def _thousands(x: float) -> str:
+    """``x`` truncated to an integer, with thousands separators."""
+    return f"{int(x):,}"
+
+
+def calls_table(
+    rel: str,
+    abbrev: dict[str, str],
+    calls: tuple[int, ...] = (),
+    fields: tuple[str, ...] = (),
+    only: tuple[str, ...] = (),
+) -> Callable[[Callable[[str], str]], str]:
+    """Every timed run of ``rel`` (``bench_e2e`` records, in the order they ran; only device
+    ``calls`` and settings starting with one of ``only`` where given) with its device call,
+    each setting written with ``abbrev``'s short forms and followed by the record's ``fields``
+    that set it apart, figures truncated; temporaries from the compile record before the run."""
+
+    def render(link: Callable[[str], str]) -> str:
+        tr = C.truncated
+        lines = [
+            "| device call | setting | batch | tokens/s (host waits) | one step in flight "
+            "| step ms median [min, max] | compiled peak GiB | temporaries GiB "
+            "| device | JAX | date |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        compiled = {}
+        for r in _records(rel):
+            if calls and int(r.get("device_call", 0)) not in calls:
+                continue
+            if r.get("kind") == "compile":
+                compiled = r
+            if r.get("kind") != "run" or (only and not r["setting"].startswith(only)):
+                continue
+            step = r["step"]
+            flight = r.get("tokens_per_s_pipelined")
+            temp = (
+                compiled.get("memory", {}).get("temp")
+                if compiled.get("setting") == r["setting"]
+                else None
+            )
+            setting = _label(r["setting"], abbrev) + "".join(
+                f", {f} {r[f]}" for f in fields if f in r
+            )
+            lines.append(
+                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
+                f"{_thousands(r['tokens_per_s'])} | "
+                f"{'not recorded' if flight is None else _thousands(flight)} | "
+                f"{tr(step['median_s'] * 1e3, 2)} [{tr(step['min_s'] * 1e3, 2)}, "
+                f"{tr(step['max_s'] * 1e3, 2)}] | {C.gib(r.get('compiled_peak'))} | "
+                f"{'-' if temp is None else C.gib(temp)} | "
+                f"{r['device'].removeprefix('gpu:')} | {r['jax']} | {r['date'][:10]} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
+SPLIT = (
+    ("gemm", "GEMMs"),
+    ("attention", "attention"),
+    ("fp8_pallas", "FP8 Pallas kernels"),
+    ("fp8_xla", "FP8 XLA fusions"),
+    ("optimizer", "optimizer"),
+    ("memcpy", "copies"),
+    ("other", "other"),
+)
+
+
+def split_table(
+    rel: str, abbrev: dict[str, str], calls: tuple[int, ...] = (), fields: tuple[str, ...] = ()
+) -> Callable[[Callable[[str], str]], str]:
+    """The kernel time per category (ms) of each traced step of ``rel`` (``profile`` records:
+    one step traced by ``jax.profiler``; only device ``calls`` where given), settings written
+    as :func:`calls_table` writes them."""
+
+    def render(link: Callable[[str], str]) -> str:
+        tr = C.truncated
+        lines = [
+            "| device call | setting | batch | wall ms | "
+            + " | ".join(title for _, title in SPLIT)
+            + " | kernels | device | JAX | date |",
+            "|" + "---|" * (len(SPLIT) + 8),
+        ]
+        for r in _records(rel):
+            if r.get("kind") != "profile" or (calls and int(r.get("device_call", 0)) not in calls):
+                continue
+            split = r["split"]
+            setting = _label(r["setting"], abbrev) + "".join(
+                f", {f} {r[f]}" for f in fields if f in r
+            )
+            cells = [tr(split["categories"][key]["ms"], 2) for key, _ in SPLIT]
+            lines.append(
+                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
+                f"{tr(split['wall_ms'], 2)} | " + " | ".join(cells) + " | "
+                f"{int(split['kernels_per_step'])} | {r['device'].removeprefix('gpu:')} | "
+                f"{r['jax']} | {r['date'][:10]} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
+def telemetry_programs(rel: str) -> Callable[[Callable[[str], str]], str]:
+    """The step of each program of a ``telemetry_cost.py`` result (its printed JSON) against
+    the program without telemetry, with the run's device, JAX version and date."""
+
+    def render(link: Callable[[str], str]) -> str:
+        result = _json(rel)
+        programs = [k for k, v in result.items() if isinstance(v, dict) and "step_s" in v]
+        off = result["off"]["step_s"]
+        lines = [
+            "| program | step ms | against off | device | JAX | date |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in programs:
+            step = result[name]["step_s"]
+            pct = (step / off - 1) * 100
+            sign = "+" if pct >= 0 else "-"
+            against = "" if name == "off" else f"{sign}{C.truncated(abs(pct), 2)}%"
+            lines.append(
+                f"| {name} | {C.truncated(step * 1e3, 2)} | {against} | {result['device']} | "
+                f"{result['jax']} | {result['date'][:10]} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
+def checkpoint_parts(link: Callable[[str], str]) -> str:
+    """Where a save's time goes (``bench_checkpoint.py``'s record), with its stamp."""
+    r = _records("checkpoint/checkpoint.jsonl")[-1]
+    first, second = r["saves"][0], r["saves"][1]
+    rows = [
+        ("one step, no save (median of 10)", f"{r['step_s']}"),
+        (
+            "`_save_summary` (finiteness and checksums of every leaf), first call (compile "
+            "included) / warm",
+            f"{r['summary_first_s']} / {r['summary_warm_s']}",
+        ),
+        (
+            "the state to pinned host memory (`jax.device_put` to `pinned_host`), first time",
+            f"{r['pinned_1_s']}",
+        ),
+        (
+            "the same, second time (the allocator reuses the memory)",
+            f"{r['pinned_2_s']} ({C.truncated(r['gb'] / r['pinned_2_s'], 0)} GB/s)",
+        ),
+        (
+            "pinned host buffers to numpy (what Orbax hands TensorStore)",
+            f"{r['pinned_to_numpy_2_s']}",
+        ),
+        (
+            "`np.asarray` of the device arrays (pageable memory, what `jax.device_get` does)",
+            f"{r['pageable_s']} ({C.truncated(r['gb'] / r['pageable_s'], 2)} GB/s)",
+        ),
+        (
+            "`Checkpointer.save`, first (after the pinned copies above) / second: blocks the loop",
+            f"{first['blocking_s']} / {second['blocking_s']}",
+        ),
+        (
+            f"steps during the write: extra time over {first['steps_during']} steps, first / second save",
+            f"{first['extra_during_s']} / {second['extra_during_s']}",
+        ),
+        (
+            f"waiting for the rest of the write after those {first['steps_during']} steps, first / second",
+            f"{first['wait_after_s']} / {second['wait_after_s']}",
+        ),
+    ]
+    stamp = f"{r['device'].removeprefix('gpu:')} | {r['jax']} | {r['date'][:10]}"
+    lines = ["| part | seconds | device | JAX | date |", "|---|---|---|---|---|"]
+    lines += [f"| {part} | {secs} | {stamp} |" for part, secs in rows]
+    return "\n".join(lines) + "\n"
+
+
+def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
+    """The table ``name`` of ``rel``: a ``"kind": "table"`` record holds a table whose run left
+    no raw records, its cells as first published (``columns``, ``rows``), beside the run's
+    device, JAX version, date, command and commit; those come out as the last columns."""
+
+    def render(link: Callable[[str], str]) -> str:
+        found = [r for r in _records(rel) if r.get("kind") == "table" and r["table"] == name]
+        if len(found) != 1:
+            raise ValueError(f"{rel}: {len(found)} tables named {name!r}, expected one")
+        t = found[0]
+        columns = t["columns"] + ["device", "JAX", "date"]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        stamp = [t["device"] or "not recorded", t["jax"] or "not recorded"]
+        stamp.append(t["date"][:10] if t["date"] else "not recorded")
+        lines += ["| " + " | ".join(row + stamp) + " |" for row in t["rows"]]
+        return "\n".join(lines) + "\n"
+
+    return render
+
+
 def accuracy_page(link: Callable[[str], str]) -> str:
     """The accuracy report above its notes, as ``accuracy.py --report`` writes it."""
     return accuracy.report_text(_records("accuracy/accuracy.jsonl"), "accuracy.png")
 
 
+# The memory options of COAT's fastest Llama-2-7B setting, as the pages write them (`$O`).
+O_7B = (
+    "optimizer_in_backward=true+grad_clip=null+fp8_attention=true+loss_chunk_size=2048"
+    "+fp8_group_scale=e8m0+fp8_weight_residual=master+fp8_swiglu=fused"
+)
+ABBREV_7B = {f"coat:scan:activations:{O_7B}": "COAT `$O`", "bf16:unrolled:none": "BF16"}
+ATTENTION_BACKWARD = {**ABBREV_7B, "+fp8_attention_backward=saved_output": " + `saved_output`"}
+# The memory options of COAT's largest Llama-2-7B batch before the fused SwiGLU (`$O` there).
+O_7B_UNFUSED = O_7B.removesuffix("+fp8_swiglu=fused")
+ABBREV_7B_UNFUSED = {
+    f"coat:scan:activations:{O_7B_UNFUSED}": "COAT `$O`",
+    "bf16:unrolled:none": "BF16",
+}
+CODES_BARRIER = {**ABBREV_7B, "+fp8_codes_barrier=true": ""}
+
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "accuracy": accuracy_page,
+    "activation_memory": lambda link: activation_memory.report(
+        _records("activation_memory/layer.jsonl")
+    ),
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
+    "attention_backward/calls": calls_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
+    "attention_backward/split": split_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
+    "codes_barrier/calls": calls_table(
+        "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(1,), fields=("codes_barrier",)
+    ),
+    "codes_barrier/split": split_table(
+        "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(1,), fields=("codes_barrier",)
+    ),
+    "codes_barrier/stacks": calls_table(
+        "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(2, 3), fields=("residual_stacks",)
+    ),
+    "largest_batch_split/calls": calls_table(
+        "largest_batch_split/e2e.jsonl", ABBREV_7B, fields=("xla_flags",)
+    ),
+    "largest_batch_split/split": split_table(
+        "largest_batch_split/e2e.jsonl", ABBREV_7B, calls=(1,)
+    ),
+    "telemetry/h200_programs": telemetry_programs("telemetry/telemetry_h200.json"),
+    "telemetry/h200_batch1": calls_table("telemetry/e2e.jsonl", {}),
+    "fp8_kernels/rule": calls_table("fp8_kernels/rule.jsonl", ABBREV_7B),
+    "e2e_fused_apply/calls": calls_table("e2e_fused_apply/e2e.jsonl", {}),
+    "e2e_group_scale/calls": calls_table("e2e_group_scale/e2e.jsonl", {}),
+    "fused_swiglu/7b_largest": calls_table("fused_swiglu/7b_largest.jsonl", ABBREV_7B_UNFUSED),
+    "memory_options/e2e": calls_table("e2e/e2e.jsonl", {}, only=("coat:scan:activations",)),
+    "memory_options/once": calls_table("e2e_once/e2e.jsonl", {}, only=("coat:scan:activations",)),
+    "memory_options/in_backward": calls_table("e2e_in_backward/e2e.jsonl", {}, only=("coat",)),
+    "e2e_once/calls": calls_table("e2e_once/e2e.jsonl", {}),
+    "e2e_once/split": split_table("e2e_once/e2e.jsonl", {}),
+    "e2e_once/probes": calls_table("e2e_once/probes.jsonl", ABBREV_7B, fields=("xla_flags",)),
+    "e2e_pipelined/calls": calls_table("e2e_pipelined/e2e.jsonl", {}),
+    "e2e_pipelined/probe_split": split_table("e2e_pipelined/probe.jsonl", {}),
+    "excess_precision/7b_b1": calls_table("excess_precision/7b_b1.jsonl", {}),
+    "excess_precision/7b_largest": calls_table("excess_precision/7b_largest.jsonl", ABBREV_7B),
+    "excess_precision/76M": calls_table("excess_precision/76M.jsonl", {}),
+    "fp8_kernels/7b_scan": calls_table("fp8_kernels/7b_scan.jsonl", {}),
+    "fp8_kernels/7b_options": calls_table("fp8_kernels/7b_options.jsonl", ABBREV_7B_UNFUSED),
+    "fp8_kernels/7b_unrolled": calls_table("fp8_kernels/7b_unrolled.jsonl", {}),
+    "fp8_kernels/76M": calls_table("fp8_kernels/76M.jsonl", {}),
+    "gemm_output/7b_unrolled": calls_table("gemm_output/7b_unrolled.jsonl", {}),
+    "gemm_output/7b_largest": calls_table("gemm_output/7b_largest.jsonl", ABBREV_7B),
+    "gemm_output/76M": calls_table("gemm_output/76M.jsonl", {}),
+    "gemm_output/sizes_float32_output": calls_table("gemm_output/sizes_float32_output.jsonl", {}),
+    "gemm_output/sizes_350M": calls_table("gemm_output/sizes_350M.jsonl", {}),
+    "fp8_kernels/op_kernels": calls_table(
+        "fp8_kernels/op_kernels.jsonl", ABBREV_7B, fields=("variant",)
+    ),
+    "checkpoint": checkpoint_parts,
     "headline": headline,
+    "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
     "history": history,
+    "optimizer": optimizer_table(bench_optimizer.table),
+    "optimizer_sweep": optimizer_table(bench_optimizer.sweep_table),
+    "sizes_76M": sizes_page("76M"),
+    "quant_error": lambda link: quant_error.report(_records("quant_error/run.jsonl")),
     "fp8_rowwise": layer_page("fp8_rowwise"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
+
+
+# Every transcribed table, as ``<benchmark>/<table>``.
+BLOCKS.update(
+    {
+        f"{path.parent.name}/{r['table']}": transcribed(
+            path.relative_to(RESULTS).as_posix(), r["table"]
+        )
+        for path in sorted(RESULTS.glob("*/tables.jsonl"))
+        for r in C.read_jsonl(str(path))
+    }
+)
 
 
 def targets() -> list[Path]:

@@ -245,7 +245,7 @@ def ops_for(
         (the activation telemetry). The ops are then the ``observed_*`` variants: the same
         forward and backward, the same results. ``None``: the plain FP8 ops.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> ops = ops_for("coat")
       >>> ops.silu(jnp.ones((2, 32), jnp.bfloat16)).dtype

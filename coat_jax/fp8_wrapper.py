@@ -213,7 +213,7 @@ def fp8_state(
       An ``optax.GradientTransformationExtraArgs`` whose state is an :class:`FP8State`
       (extra arguments of ``update`` are passed on to ``inner``).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, coat_jax
       >>> tx = coat_jax.fp8_state(optax.lion(1e-4))
       >>> params = {"w": jnp.ones((4, 256))}

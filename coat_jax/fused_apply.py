@@ -86,7 +86,7 @@ def apply_gradients(tx: optax.GradientTransformation, grads, state, params):
     results agree to float32 rounding: the fused way applies weight decay and the learning rate
     in float32 where optax first rounds an update without weight decay to the gradient's dtype.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, coat_jax
       >>> params = {"w": jnp.zeros((8, 128))}
       >>> tx = coat_jax.optim.chain(optax.clip_by_global_norm(1.0), coat_jax.coat_adamw(1e-3))
@@ -110,7 +110,7 @@ def apply_gradients_at(tx: optax.GradientTransformation, grads, state, params, i
     ``apply_at``), so a step that donates them copies no slice out and none back; any other
     ``tx`` is applied to the slices, which are then written back.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, coat_jax
       >>> tx = coat_jax.coat_adamw(1e-3)
       >>> stack = {"w": jnp.zeros((3, 8, 128))}
@@ -189,7 +189,7 @@ def clip_by_global_norm(max_norm: float) -> GradScaleTransformation:
     bit). optax divides by the norm and multiplies by ``max_norm``: the clipped gradients agree
     with optax's to float32 rounding.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, coat_jax
       >>> tx = coat_jax.optim.chain(clip_by_global_norm(1.0), coat_jax.coat_adamw(1e-3))
       >>> params = {"w": jnp.zeros((8, 128))}

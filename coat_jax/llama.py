@@ -292,7 +292,7 @@ class Llama(nnx.Module):
         one op (`coat_jax.fp8_ops.fp8_attention_linear`) that keeps the softmax statistics
         too and takes the output from the o_proj's FP8 input: no forward re-run.
 
-    Example:
+    Examples:
       >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
       ...                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
       >>> logits = Llama(cfg, rngs=nnx.Rngs(0), scan_layers=True)(jnp.zeros((1, 8), jnp.int32))

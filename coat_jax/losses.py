@@ -92,7 +92,7 @@ def cross_entropy_from_hidden(
     Returns:
       A float32 scalar: the mean cross-entropy in nats.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> h = jax.random.normal(jax.random.key(0), (2, 100, 16), jnp.bfloat16)
       >>> w = 0.02 * jax.random.normal(jax.random.key(1), (16, 50))

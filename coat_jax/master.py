@@ -56,7 +56,7 @@ def stochastic_round(x: jax.Array, key: jax.Array, dtype=jnp.bfloat16) -> jax.Ar
     Returns:
       A bfloat16 array of ``x``'s shape.
 
-    Example:
+    Examples:
       >>> x = jnp.full((100_000,), 1.0 + 2.0**-8, jnp.float32)  # half a ULP above 1
       >>> float(x.astype(jnp.bfloat16)[0])  # round to nearest (even) loses it
       1.0
@@ -115,7 +115,7 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
     Raises:
       ValueError: for float16 or FP8 parameters, which this rounding does not cover.
 
-    Example:
+    Examples:
       >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
       >>> updates = {"w": jnp.full((4, 4), -1e-4)}  # 1/78 of a bfloat16 ULP at 1.0
       >>> new = apply_updates_stochastic(params, updates, jax.random.key(0))
@@ -164,7 +164,7 @@ def float32_optimizer(inner: optax.GradientTransformation) -> optax.GradientTran
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with ``inner``'s state.
 
-    Example:
+    Examples:
       >>> import coat_jax
       >>> params = {"w": jnp.zeros((8, 128), jnp.bfloat16)}
       >>> tx = float32_optimizer(coat_jax.coat_adamw(1e-3))

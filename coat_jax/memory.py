@@ -95,7 +95,7 @@ def activation_bytes(fn: Callable, *args, param_argnums: Sequence[int] = ()) -> 
     ``jax.eval_shape`` (nothing runs). Residuals that depend only on ``param_argnums`` arguments
     or constants (weights) are not activations and are left out.
 
-    Example:
+    Examples:
       >>> f = lambda x: jnp.sum(jnp.sin(x))
       >>> activation_bytes(f, jax.ShapeDtypeStruct((1024,), jnp.bfloat16))  # keeps cos(x)
       2048

@@ -234,7 +234,7 @@ def scale_by_coat_adam(
       A :class:`ScaleByCoatAdam` (an ``optax.GradientTransformation``) whose state is a
       :class:`ScaleByCoatAdamState`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, coat_jax
       >>> tx = optax.chain(coat_jax.scale_by_coat_adam(), optax.scale(-1e-3))
       >>> params = {"w": jnp.ones((4, 256))}
@@ -475,7 +475,7 @@ def coat_adamw(
       transformations, chain with :func:`coat_jax.optim.chain` to keep that (``optax.chain``
       works too, without the fused apply; see :mod:`coat_jax.fused_apply`).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, coat_jax
       >>> params = {"w": jnp.zeros((8, 128))}
       >>> tx = coat_jax.coat_adamw(optax.cosine_decay_schedule(1e-3, 100), weight_decay=0.1)

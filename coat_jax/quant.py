@@ -5,7 +5,7 @@ The codecs (FP8 formats, clip-then-cast, per-group absmax and Dynamic Range Expa
 that must agree with them (docs/design.md, 'Layers'); this module re-exports their public names
 so that ``coat_jax.quant.quantize_dre`` and ``from coat_jax import quant`` keep working.
 
-Example:
+Examples:
   >>> import jax.numpy as jnp
   >>> from coat_jax import quant
   >>> q = quant.quantize_dre(jnp.linspace(-1.0, 1.0, 256).reshape(2, 128))

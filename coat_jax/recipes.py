@@ -11,7 +11,7 @@ and none of the GPU's speed.
 Each recipe's docstring says what it trades against ``bf16`` and names the docs page with its
 measurements; docs/recipes.md lists them side by side.
 
-Example:
+Examples:
   >>> from coat_jax import recipes
   >>> recipes.settings("coat_max_batch")["precision.fp8_swiglu"]
   'fused'

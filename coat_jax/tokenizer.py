@@ -33,7 +33,7 @@ def load_tokenizer(path: str | os.PathLike):
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, plus BOS and EOS; needs no vocabulary file.
 
-    Example:
+    Examples:
       >>> tok = ByteTokenizer()
       >>> tok.decode(tok.encode("héllo"))
       'héllo'

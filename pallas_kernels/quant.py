@@ -143,7 +143,7 @@ class QuantizedTensor:
       granularity: ``"tensor"`` (one scale) or ``"group"`` (static).
       group_size: values per group along the last axis; ``None`` for ``"tensor"`` (static).
 
-    Example:
+    Examples:
       >>> x = jnp.linspace(-1.0, 1.0, 32).reshape(2, 16)
       >>> q = quantize_absmax(x, group_size=16)
       >>> q

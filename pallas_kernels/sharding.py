@@ -198,7 +198,7 @@ def fsdp_spec(
     ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
     rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
 
-    Example:
+    Examples:
       >>> fsdp_spec((4096, 11008), 8)
       P('fsdp', None)
       >>> fsdp_spec((64,), 4)  # 16 values per shard: not a whole group
@@ -239,7 +239,7 @@ def fsdp_param_spec(
       is_stacked: the model's layout rule: whether the parameter at ``path`` is a stack whose
         leading axis indexes layers (the model knows its own tree; the kernels do not).
 
-    Example:
+    Examples:
       >>> from jax.tree_util import DictKey
       >>> stacked = lambda path: path[0].key == "layers"
       >>> fsdp_param_spec((DictKey("layers"), DictKey("w_up")), (32, 4096, 11008), 8,

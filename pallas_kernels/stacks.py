@@ -5,7 +5,7 @@ Stepping one element of a stack by slicing it out and writing the result back is
 implementation without an in-place form does (the XLA reference, a kernel that cannot take the
 whole stacks, an optimizer without a stacked apply); these helpers are that one pattern.
 
-Example:
+Examples:
   >>> import jax.numpy as jnp
   >>> stack = {"w": jnp.zeros((3, 2))}
   >>> new = step_element(lambda t: {"w": t["w"] + 1}, stack, 1)

@@ -31,7 +31,7 @@ def fp8_compiler_options(backend: str | None = None) -> dict | None:
     options). The same setting for a whole process is :data:`GPU_XLA_FLAGS` in ``XLA_FLAGS``,
     set before JAX starts.
 
-    Example:
+    Examples:
       >>> step = jax.jit(lambda x: x + 1, compiler_options=fp8_compiler_options())
     """
     return dict(GPU_COMPILER_OPTIONS) if is_gpu_backend(backend) else None

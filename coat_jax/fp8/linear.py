@@ -142,7 +142,7 @@ def quantize_weight(w: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> quant.Q
     like the weight and takes each layer's maximum over the shards (the per-shard kernels are
     written for 2-D weights).
 
-    Example:
+    Examples:
       >>> quantize_weight(jnp.ones((3, 32, 16))).scale.shape
       (3,)
     """
@@ -162,7 +162,7 @@ def quantize_weight(w: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> quant.Q
 def prequantized(w: jax.Array, config: FP8Config = DEFAULT_CONFIG) -> FP8Weight:
     """``FP8Weight(w, quantize_weight(w))``: a master weight ``[K, N]`` with its codes.
 
-    Example:
+    Examples:
       >>> x = jnp.ones((4, 32), jnp.bfloat16)
       >>> fp8_linear(x, prequantized(jnp.ones((32, 16))), DEFAULT_CONFIG).shape
       (4, 16)
@@ -224,7 +224,7 @@ def fp8_linear(x: jax.Array, w, config: FP8Config = DEFAULT_CONFIG):
       ``[..., N]`` in ``x.dtype`` (a tuple for a tuple ``w``). Weight gradients come back in
       each master weight's dtype.
 
-    Example:
+    Examples:
       >>> x = jnp.ones((2, 8, 32), jnp.bfloat16)
       >>> fp8_linear(x, jnp.ones((32, 16)), DEFAULT_CONFIG).shape
       (2, 8, 16)
@@ -341,7 +341,7 @@ def fp8_dot_general(
     first of a 2-D ``rhs``, no batch axes. ``precision`` is ignored (the GEMM is FP8);
     ``out_sharding`` and other keyword arguments ``nnx.Linear`` forwards are ignored too.
 
-    Example:
+    Examples:
       >>> from flax import nnx
       >>> layer = nnx.Linear(32, 16, dot_general=fp8_dot_general, rngs=nnx.Rngs(0))
       >>> layer(jnp.ones((4, 32))).shape

@@ -61,7 +61,7 @@ def placeholder(compute):
     and shape, filled with NaN (floats) or -1 (integers: no count is negative), and computing
     nothing: the other branch of a telemetry's ``lax.cond``.
 
-    Example:
+    Examples:
       >>> placeholder(lambda: (jnp.ones(2), jnp.int32(3)))()
       (Array([nan, nan], dtype=float32), Array(-1, dtype=int32))
     """

@@ -59,7 +59,7 @@ def quantize_along(x: jax.Array, axis: int, fmt: str, config) -> tuple[jax.Array
     The scale is ``(max|x| + 1e-20) / fmax`` over the slice, COAT's absmax rule
     (:func:`~pallas_kernels.quant.absmax_scale`); codes are clipped then cast.
 
-    Example:
+    Examples:
       >>> from coat_jax.fp8_ops import FP8Config
       >>> codes, scale = quantize_along(jnp.ones((4, 8)), 1, "e4m3", FP8Config())
       >>> codes.dtype, scale.shape
@@ -144,7 +144,7 @@ def fp8_rowwise_linear(x: jax.Array, w, config):
       ``[..., N]`` in ``x.dtype`` (a tuple for a tuple ``w``); weight gradients come back in
       each master weight's dtype.
 
-    Example:
+    Examples:
       >>> from coat_jax.fp8_ops import FP8Config
       >>> x = jnp.ones((2, 8, 32), jnp.bfloat16)
       >>> fp8_rowwise_linear(x, jnp.ones((32, 16)), FP8Config(linear_scaling="row")).shape

@@ -116,7 +116,7 @@ class MetricsLog:
     adds a :class:`TensorBoardWriter` there, so TensorBoard shows exactly what metrics.jsonl
     holds.
 
-    Example:
+    Examples:
       >>> import tempfile
       >>> run = Path(tempfile.mkdtemp())
       >>> log = MetricsLog(run / "metrics.jsonl", resume_step=None, tensorboard_dir=run / "tb")

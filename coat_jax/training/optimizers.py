@@ -227,7 +227,7 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
     non-finite when the gradient's global norm is, as the train step's ``grad_norm`` metric
     reports it (the same norm of the same float32 gradient).
 
-    Example:
+    Examples:
       >>> tx = skip_nonfinite(optax.adam(1e-3))
       >>> state = tx.init({"w": jnp.ones(2)})
       >>> updates, same = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)  # zeros, state

@@ -26,7 +26,7 @@ LOG_NAME = "train.log"
 class RunDirectory:
     """The output directory of one running trainer (a context manager holding its lock).
 
-    Example:
+    Examples:
       >>> with RunDirectory("runs/default") as run_dir:
       ...     run_dir.log("step 1: loss 5.5")
     """

@@ -160,7 +160,7 @@ class StateTelemetry:
 
         Works on Python and NumPy ints and on traced ones.
 
-        Example:
+        Examples:
           >>> t = StateTelemetry(every=10, last_step=25)
           >>> [s for s in range(1, 26) if t.computes(s)]
           [1, 10, 20, 25]
@@ -413,7 +413,7 @@ def logged_metrics(metrics: dict) -> dict:
     step did not compute them (its placeholders). Other keys and other steps' metrics are
     returned as they are.
 
-    Example:
+    Examples:
       >>> logged_metrics({"loss": 2.5, "state/mu_rel_err": float("nan"), COMPUTED: False})
       {'loss': 2.5}
     """
@@ -430,7 +430,7 @@ def logged_metrics(metrics: dict) -> dict:
 def tensor_names(params) -> list[str]:
     """The names ``state/*_worst_tensor`` indexes: each parameter's key path, in leaf order.
 
-    Example:
+    Examples:
       >>> tensor_names({"embed": jnp.zeros(4), "layers": [{"w": jnp.zeros(2)}]})
       ["['embed']", "['layers'][0]['w']"]
     """

@@ -155,8 +155,8 @@ def coat_adamw_apply(
     The same result as ``coat_adamw``'s update followed by ``optax.apply_updates`` (for a
     non-zero weight decay, see :func:`apply_update`), but on the kernel path in one pass that
     reads the parameter and writes the new one in place: about 14 bytes per parameter with bf16
-    gradients, against 18 for the update followed by XLA's apply (docs/notes_optimizer_kernel.md,
-    'The two floors').
+    gradients, against 18 for the update followed by XLA's apply (docs/optimizer_kernel.md,
+    'The bytes it must move').
 
     Args:
       param: the parameter (float32 master weights, typically).

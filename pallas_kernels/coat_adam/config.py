@@ -35,7 +35,7 @@ class KernelConfig:
         through ``rcp.approx``/``sqrt.approx``, divisions by per-group values as products with
         the reciprocal. Codes change only at rounding ties; the DRE exponent k, which a floor
         makes discontinuous, and the centre stay exactly the reference's computation. Several
-        times faster than exact arithmetic (docs/notes_optimizer_kernel.md).
+        times faster than exact arithmetic (docs/optimizer_kernel.md).
       flat_stats: compute the per-group statistics (DRE exponent, centre, scale, and the
         reciprocals the element work multiplies by) on a vector of the tile's groups rather
         than on the ``[groups, 1]`` column the row reductions give. Triton lays that column out
@@ -46,7 +46,7 @@ class KernelConfig:
         tile's arithmetic). ``1``: one tile per program, no loop.
     """
 
-    # The fastest of the settings timed (docs/benchmarks.md, docs/notes_optimizer_kernel.md).
+    # The fastest of the settings timed (docs/optimizer_kernel.md).
     block_rows: int = 16
     num_warps: int = 4
     num_stages: int = 1

@@ -25,7 +25,7 @@ class Math:
 
     ``fast=False`` is the reference's own arithmetic. ``fast=True`` trades a few float32 ulps
     for throughput, since the step is compute-bound with exact arithmetic
-    (docs/notes_optimizer_kernel.md): on the GPU, powers go through the approximate
+    (docs/optimizer_kernel.md): on the GPU, powers go through the approximate
     ``ex2``/``lg2`` instructions and reciprocals, square roots and the update's division through
     ``rcp.approx``/``sqrt.approx``. Interpret mode has no PTX: there the powers run as
     ``exp2(e * log2(a))`` and the divisions as products with the reciprocal in jnp, the rest

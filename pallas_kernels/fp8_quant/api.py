@@ -42,7 +42,7 @@ def quantize_per_group(
     ``mesh``: the :class:`KernelMesh` ``x`` is sharded over (batch-split leading axis), or
     ``None`` for one device.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> q = quantize_per_group(jnp.ones((4, 32)), implementation="xla")
         >>> q.codes.dtype, q.scale.shape, q.group_size
@@ -78,7 +78,7 @@ def quantize_per_tensor(
     ``mesh``/``partition``: where ``x`` lives (see :func:`quantize_per_tensor_pallas`); the XLA
     reference needs neither (XLA partitions its maximum itself).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> q = quantize_per_tensor(jnp.ones((4, 32)), implementation="xla")
         >>> q.granularity, q.scale.shape, float(q.scale) >= 1 / 448
