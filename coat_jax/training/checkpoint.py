@@ -47,7 +47,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from coat_jax.quant import state_bytes  # a checkpoint's size before compression
-from coat_jax.runs import CheckpointError, by_keypath, checksum, leaf_checksums, quiet_orbax
+from coat_jax.runs import (
+    CheckpointError,
+    by_keypath,
+    cause,
+    checksum,
+    leaf_checksums,
+    quiet_orbax,
+)
 from coat_jax.training.errors import DivergedError
 
 
@@ -270,9 +277,9 @@ class Checkpointer:
 
     def _failed(self, step: int, error: Exception) -> CheckpointSaveError:
         return CheckpointSaveError(
-            f"writing checkpoint step {step} in {str(self.directory)!r} failed: "
-            f"{type(error).__name__}: {error}; {self.newest()}; check the disk (free space, "
-            "permissions) and continue"
+            "check the disk (free space, permissions) and continue with resume=true; "
+            f"{self.newest()}.\n  writing checkpoint step {step} in {str(self.directory)!r} "
+            f"failed: {cause(error)}"
         )
 
     def _remove_incomplete(self, step: int) -> None:
@@ -290,14 +297,16 @@ class Checkpointer:
 
     def _unreadable(self, step: int, error: Exception) -> CheckpointError:
         earlier = [s for s in self.steps() if s < step]
-        advice = (
-            f" Earlier checkpoints: {earlier}; move step {step} aside to resume from one."
-            if earlier
-            else ""
-        )
+        if earlier:
+            remedy = (
+                f"move {str(self.directory / str(step))!r} aside to resume from step "
+                f"{earlier[-1]} (earlier checkpoints: {earlier})"
+            )
+        else:
+            remedy = "there is no earlier checkpoint: start a new run with resume=false"
         return CheckpointError(
-            f"{self._where(step)} is unreadable (corrupt or incomplete): "
-            f"{type(error).__name__}: {error}.{advice}"
+            f"{remedy}.\n  {self._where(step)} is unreadable (corrupt or incomplete): "
+            f"{cause(error)}"
         )
 
     def latest_meta(self) -> dict[str, Any]:
@@ -365,19 +374,24 @@ class Checkpointer:
                 f"seed: checkpoint has {meta.get('seed')}, this run has {seed} (the data order "
                 "depends on it)"
             )
+        remedy = (
+            "resume with the settings (and coat_jax version) that wrote it, or start a new run "
+            "with resume=false or another output_dir"
+        )
         if problems:
             # A different set-up changes the state's leaves too; listing them would bury the cause.
-            raise CheckpointError(f"{where} does not match this run:\n  " + "\n  ".join(problems))
+            raise CheckpointError(
+                f"{remedy}.\n  {where} does not match this run: " + "; ".join(problems)
+            )
         saved, wanted = meta["leaves"], leaf_signature(abstract_state)
         mismatched = [k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
-        for key in mismatched[:20]:
-            problems.append(
-                f"state{key}: checkpoint has {saved.get(key)}, this run expects {wanted.get(key)}"
+        if mismatched:
+            key = mismatched[0]
+            raise CheckpointError(
+                f"{remedy}.\n  {where} does not match this run's state: {len(mismatched)} "
+                f"array(s) differ, e.g. state{key}: checkpoint has {saved.get(key)}, this run "
+                f"expects {wanted.get(key)}"
             )
-        if len(mismatched) > 20:
-            problems.append(f"... and {len(mismatched) - 20} more leaves")
-        if problems:
-            raise CheckpointError(f"{where} does not match this run:\n  " + "\n  ".join(problems))
 
     def warm_host_memory(self, abstract_state) -> threading.Thread | None:
         """Allocates, in a background thread, the pinned host memory the first save will use.
