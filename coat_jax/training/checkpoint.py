@@ -128,7 +128,8 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
-                create=True,
+                # The first save creates the directory: a run refused before it leaves none.
+                create=False,
                 enable_async_checkpointing=asynchronous,
                 cleanup_tmp_directories=True,
             ),
@@ -251,7 +252,10 @@ class Checkpointer:
     def _room(self, state, what: str, advice: str) -> tuple[int, int]:
         """``(bytes state needs, bytes free)`` at the target; raises if they do not fit."""
         need = state_bytes(state)
-        free = shutil.disk_usage(self.directory).free
+        # Before the first save the directory may not exist yet: its nearest existing parent
+        # is on the disk it will be on.
+        target = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+        free = shutil.disk_usage(target).free
         if free < need:
             raise CheckpointSaveError(
                 f"not enough free space for {what} in {str(self.directory)!r}: it needs about "

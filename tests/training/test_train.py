@@ -571,6 +571,28 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, cache_dir):
         train(tiny(tmp_path, cache_dir, "steps=6", "resume=true"))
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["new_dir", "existing_dir"])
+def test_refused_runs_leave_the_output_dir_as_they_found_it(tmp_path, cache_dir, existing):
+    # docs/training.md, 'Reliability': no file, no directory, no train.log line from a refused
+    # run.
+    out = tmp_path / "parent" / "run"
+    if existing:
+        out.mkdir(parents=True)
+        (out / "notes.txt").write_text("the user's own file")
+    before = dir_digest(tmp_path)
+    refusals = [
+        (["init_from=/nonexistent"], ValueError, "init_from"),
+        (["resume=true"], CheckpointError, "there is no checkpoint"),
+    ]
+    for overrides, error, message in refusals:
+        with pytest.raises(error, match=message):
+            train(tiny(out, cache_dir, "steps=6", *overrides))
+        assert dir_digest(tmp_path) == before
+        assert out.exists() == existing and (tmp_path / "parent").exists() == existing
+        if existing:
+            assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
 def test_a_new_run_never_overwrites_checkpoints(good_run, cache_dir):
     before = dir_digest(good_run)
     with pytest.raises(ValueError, match=r"already holds checkpoints \(steps \[6\]\); pass resume"):
