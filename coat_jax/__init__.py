@@ -60,7 +60,7 @@ from coat_jax.optim import (
     find_coat_states,
     scale_by_coat_adam,
 )
-from coat_jax.quant import QuantizedTensor
+from coat_jax.quant import QuantizedTensor, state_bytes
 from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 __version__ = "0.1.0"
@@ -68,6 +68,7 @@ __version__ = "0.1.0"
 __all__ = [
     # FP8 values: codes, scales and their layout (codecs, kernels, residuals, moments)
     "QuantizedTensor",
+    "state_bytes",
     # FP8 optimizer states
     "ScaleByCoatAdamState",
     "apply_gradients",

@@ -40,7 +40,8 @@ same structure, holding the float32 per-group statistics (shape
 elsewhere (``expand``/``center`` also where expansion is off). Every leaf therefore sits at a key
 path ending in its parameter's key path, with its parameter's rank, so the trainer shards it like
 the parameter. A quantized leaf costs 1 byte per element plus 12 bytes per group of 128 with
-expansion (1.09 bytes per parameter), 4 bytes per group without (1.03).
+expansion (1.09 bytes per parameter), 4 bytes per group without (1.03); a leaf that FP8 would not
+shrink (a scalar, a last axis of at most 4 values: ``state_codec.fp8_pays``) stays as it is.
 
 The dequantized leaves ``inner.update`` sees are float32 whatever dtype ``inner.init`` gave them
 (a ``mu_dtype=bfloat16`` momentum is read back as float32 and stored as FP8 either way).
@@ -260,20 +261,19 @@ def fp8_state(
 
         def store(path, leaf):
             param, wanted, n = owner(path, by_path, longest)
+            field = field_name(path[: len(path) - n])
+            codec = codecs["nonnegative" if field in nonnegative else "signed"]
             if (
                 not wanted
                 or not _is_floating(leaf)
                 or leaf.shape != param.shape
-                or leaf.ndim == 0
-                or leaf.size == 0
+                or not state_codec.fp8_pays(leaf.shape, group_size, codec.expansion)
             ):
                 if param is not None and getattr(leaf, "shape", None) == param.shape:
                     sharding = getattr(param, "sharding", None)
                 else:
                     sharding = replicated
                 return state_codec.store(_place(leaf, sharding))
-            field = field_name(path[: len(path) - n])
-            codec = codecs["nonnegative" if field in nonnegative else "signed"]
             q = _quantize(leaf, codec, group_size, expand_min)
             stat_sharding = state_codec.stat_sharding(param, q.scale.shape)
             return StoredMoment(

@@ -16,9 +16,9 @@ parameters. For a parameter quantized in FP8:
   ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes per parameter).
 
 Groups are ``group_size`` consecutive values along the last axis; a last axis that is not a
-multiple of ``group_size`` ends in a shorter, zero-padded group. Parameters that keep float32
-moments: scalars (no axis to group along), empty arrays, and those ``fp8_mask`` excludes. For them
-``*_codes`` holds the float32 moment itself and the statistics are ``optax.MaskedNode()``.
+multiple of ``group_size`` ends in a shorter, zero-padded group. Parameters that FP8 would not
+shrink (``state_codec.fp8_pays``: scalars, empty arrays, a last axis of at most 4 values) and
+those ``fp8_mask`` excludes keep float32 moments in ``*_codes``, statistics ``optax.MaskedNode()``.
 
 Sharded parameters (docs/sharding.md): on several devices the Pallas kernel runs on each shard
 through ``shard_map`` once the optimizer knows the mesh: ``coat_adamw(..., mesh=mesh)``, with each
@@ -139,14 +139,15 @@ def _static_group_size(group_size) -> int:
     return quant.check_group_size(group_size)
 
 
-def _quantized_flags(params, fp8_mask) -> list[bool]:
-    """Per leaf of ``params``: does it get FP8 moments?"""
+def _quantized_flags(params, fp8_mask, spec: kernels.MomentSpec) -> list[bool]:
+    """Per leaf of ``params``: does it get FP8 moments (wanted, and smaller than float32)?"""
     leaves, treedef = jax.tree.flatten(params)
     if fp8_mask is None:
         wanted = [True] * len(leaves)
     else:
         wanted = state_codec.flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
-    return [bool(w) and p.ndim >= 1 and p.size > 0 for w, p in zip(wanted, leaves, strict=True)]
+    pays = [state_codec.fp8_pays(p.shape, spec.group_size, spec.expansion) for p in leaves]
+    return [bool(w) and f for w, f in zip(wanted, pays, strict=True)]
 
 
 def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant.QuantizedTensor:
@@ -213,7 +214,7 @@ def scale_by_coat_adam(
       nu_format: the second moment's FP8 format, ``"e4m3"`` (COAT's default) or ``"e5m2"``.
       fp8_mask: which parameters get FP8 moments, in optax's ``MaskOrFn`` convention (a tree of
         bools like the parameters, or a function of the parameters returning one). ``None``:
-        all of them. Masked-out ones, scalars and empty arrays keep float32 moments.
+        all of them. Masked-out ones and those FP8 would not shrink keep float32 moments.
       implementation: ``"auto"`` (the Pallas kernel where it applies: on a GPU, with a
         power-of-two group size, on one device or with ``mesh`` given; jnp elsewhere),
         ``"xla"`` or ``"pallas"`` (on several devices without ``mesh``: concrete arrays run
@@ -263,7 +264,7 @@ def scale_by_coat_adam(
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)
-        flags = _quantized_flags(params, fp8_mask)
+        flags = _quantized_flags(params, fp8_mask, spec)
         mus, nus = [], []
         for p, quantized in zip(leaves, flags, strict=True):
             if quantized:

@@ -21,6 +21,8 @@ import importlib.util
 import logging
 import os
 import re
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,28 @@ from coat_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or belongs to a different run set-up."""
+
+
+def cause(error: BaseException, limit: int = 300) -> str:
+    """The root of an error's chain: its type and first line, cut to about ``limit`` characters.
+
+    Orbax wraps what went wrong (a short read, a full disk) in errors that say only where, and
+    carries the TensorStore spec and source locations after it; the root names the cause.
+    """
+    while True:
+        inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+        if inner is None or not str(inner).strip():
+            break
+        error = inner
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    for marker in (" [tensorstore_spec", " [source locations"):
+        first = first.split(marker)[0]
+    if len(first) > limit:
+        # TensorStore names what failed first and why last ("No space left on device"); the
+        # paths between repeat the checkpoint's directory.
+        first = f"{first[: limit // 3]} ... {first[-(limit - limit // 3 - 5) :]}"
+    return f"{type(error).__name__}: {first}"
 
 
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -83,12 +107,41 @@ class _DropOrbaxTracebacks(logging.Filter):
         return not (record.exc_info and "orbax" in record.pathname)
 
 
+class _DropAbandonedReadCallbacks:
+    """A ``sys.unraisablehook`` that drops the "Event loop is closed" errors of TensorStore reads
+    Orbax abandoned.
+
+    When one array of a checkpoint cannot be read, Orbax's restore raises at once and closes its
+    event loop while the other reads are still in flight; each of them then reports, from a
+    TensorStore thread, that it could not call back into the closed loop. The error that
+    matters is the one the restore raised; every other unraisable error goes to ``previous``.
+    """
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        error = unraisable.exc_value
+        abandoned = (
+            isinstance(error, RuntimeError)
+            and str(error) == "Event loop is closed"
+            and any(
+                frame.name == "call_soon_threadsafe"
+                for frame in traceback.extract_tb(unraisable.exc_traceback)
+            )
+        )
+        if not abandoned:
+            self.previous(unraisable)
+
+
 def quiet_orbax() -> None:
     absl = logging.getLogger("absl")
     # Orbax logs every save at INFO through absl; that would break the progress bar's line.
     absl.setLevel(logging.WARNING)
     if not any(isinstance(f, _DropOrbaxTracebacks) for f in absl.filters):
         absl.addFilter(_DropOrbaxTracebacks())
+    if not isinstance(sys.unraisablehook, _DropAbandonedReadCallbacks):
+        sys.unraisablehook = _DropAbandonedReadCallbacks(sys.unraisablehook)
 
 
 # One key of a `jax.tree_util.keystr` path of a pure dict: ['name'] or [0].
@@ -154,7 +207,7 @@ def read_params(output_dir: str | Path, step: int | None = None) -> tuple[dict, 
                 "meta"
             ]
         except Exception as e:
-            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
+            raise CheckpointError(f"{where} is unreadable: {cause(e)}") from e
         if not isinstance(meta, dict) or not {"fingerprint", "leaves", "checksums"} <= set(meta):
             raise CheckpointError(f"{where} has no coat_jax training metadata")
         abstract = _abstract_subtree(meta["leaves"], "params")
@@ -173,7 +226,7 @@ def read_params(output_dir: str | Path, step: int | None = None) -> tuple[dict, 
                 ),
             )["state"]["params"]
         except Exception as e:
-            raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from e
+            raise CheckpointError(f"{where} is unreadable: {cause(e)}") from e
     sums = meta["checksums"]
     bad = [k for k, v in leaf_checksums({"params": params}).items() if sums.get(k) != v]
     if bad:

@@ -5,7 +5,8 @@ arrays mirroring the parameters in its optimizer's state (:class:`StoredMoment`)
 the parameter's shape and float32 per-group statistics of shape
 ``param.shape[:-1] + (ceil(n / group_size),)`` (``scale``, and with Dynamic Range Expansion
 ``expand`` and ``center``; ``optax.MaskedNode()`` without). A moment kept in float32 (masked out,
-a scalar, an empty array) sits in ``codes`` itself, its statistics ``optax.MaskedNode()``.
+or one whose FP8 form would not be smaller: :func:`fp8_pays`) sits in ``codes`` itself, its
+statistics ``optax.MaskedNode()``.
 
 :func:`quantize` and :func:`store` turn a moment into its fields, :func:`load` and
 :func:`dequantize` read them back; the placement helpers put the fields where their parameter
@@ -31,6 +32,21 @@ class StoredMoment(NamedTuple):
     scale: Any
     expand: Any
     center: Any
+
+
+def fp8_pays(shape: tuple[int, ...], group_size: int, expansion: bool) -> bool:
+    """Whether a moment of ``shape`` takes fewer bytes in FP8 (a byte a value, plus per group of
+    its last axis 3 float32 statistics with Dynamic Range Expansion, 1 without) than in float32.
+
+    False for scalars, empty arrays and last axes of at most 4 values (1 without expansion), so
+    no parameter's FP8 state outweighs its float32 state (docs/fp8_state.md, 'Bytes per
+    parameter'). It reads the last axis only, so a stack of parameters (a scanned model's leading
+    layer axis) decides as each of its elements would.
+    """
+    if not shape or 0 in shape:
+        return False
+    n = shape[-1]
+    return n + 4 * (3 if expansion else 1) * quant.num_groups(n, group_size) < 4 * n
 
 
 def quantize(x: jax.Array, *, fmt: str, expansion: bool, group_size: int, expand_min):

@@ -47,7 +47,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from coat_jax.quant import state_bytes  # a checkpoint's size before compression
-from coat_jax.runs import CheckpointError, by_keypath, checksum, leaf_checksums, quiet_orbax
+from coat_jax.runs import (
+    CheckpointError,
+    by_keypath,
+    cause,
+    checksum,
+    leaf_checksums,
+    quiet_orbax,
+)
 from coat_jax.training.errors import DivergedError
 
 
@@ -121,7 +128,8 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
-                create=True,
+                # The first save creates the directory: a run refused before it leaves none.
+                create=False,
                 enable_async_checkpointing=asynchronous,
                 cleanup_tmp_directories=True,
             ),
@@ -244,7 +252,10 @@ class Checkpointer:
     def _room(self, state, what: str, advice: str) -> tuple[int, int]:
         """``(bytes state needs, bytes free)`` at the target; raises if they do not fit."""
         need = state_bytes(state)
-        free = shutil.disk_usage(self.directory).free
+        # Before the first save the directory may not exist yet: its nearest existing parent
+        # is on the disk it will be on.
+        target = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+        free = shutil.disk_usage(target).free
         if free < need:
             raise CheckpointSaveError(
                 f"not enough free space for {what} in {str(self.directory)!r}: it needs about "
@@ -270,9 +281,9 @@ class Checkpointer:
 
     def _failed(self, step: int, error: Exception) -> CheckpointSaveError:
         return CheckpointSaveError(
-            f"writing checkpoint step {step} in {str(self.directory)!r} failed: "
-            f"{type(error).__name__}: {error}; {self.newest()}; check the disk (free space, "
-            "permissions) and continue"
+            "check the disk (free space, permissions) and continue with resume=true; "
+            f"{self.newest()}.\n  writing checkpoint step {step} in {str(self.directory)!r} "
+            f"failed: {cause(error)}"
         )
 
     def _remove_incomplete(self, step: int) -> None:
@@ -290,14 +301,16 @@ class Checkpointer:
 
     def _unreadable(self, step: int, error: Exception) -> CheckpointError:
         earlier = [s for s in self.steps() if s < step]
-        advice = (
-            f" Earlier checkpoints: {earlier}; move step {step} aside to resume from one."
-            if earlier
-            else ""
-        )
+        if earlier:
+            remedy = (
+                f"move {str(self.directory / str(step))!r} aside to resume from step "
+                f"{earlier[-1]} (earlier checkpoints: {earlier})"
+            )
+        else:
+            remedy = "there is no earlier checkpoint: start a new run with resume=false"
         return CheckpointError(
-            f"{self._where(step)} is unreadable (corrupt or incomplete): "
-            f"{type(error).__name__}: {error}.{advice}"
+            f"{remedy}.\n  {self._where(step)} is unreadable (corrupt or incomplete): "
+            f"{cause(error)}"
         )
 
     def latest_meta(self) -> dict[str, Any]:
@@ -365,19 +378,24 @@ class Checkpointer:
                 f"seed: checkpoint has {meta.get('seed')}, this run has {seed} (the data order "
                 "depends on it)"
             )
+        remedy = (
+            "resume with the settings (and coat_jax version) that wrote it, or start a new run "
+            "with resume=false or another output_dir"
+        )
         if problems:
             # A different set-up changes the state's leaves too; listing them would bury the cause.
-            raise CheckpointError(f"{where} does not match this run:\n  " + "\n  ".join(problems))
+            raise CheckpointError(
+                f"{remedy}.\n  {where} does not match this run: " + "; ".join(problems)
+            )
         saved, wanted = meta["leaves"], leaf_signature(abstract_state)
         mismatched = [k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
-        for key in mismatched[:20]:
-            problems.append(
-                f"state{key}: checkpoint has {saved.get(key)}, this run expects {wanted.get(key)}"
+        if mismatched:
+            key = mismatched[0]
+            raise CheckpointError(
+                f"{remedy}.\n  {where} does not match this run's state: {len(mismatched)} "
+                f"array(s) differ, e.g. state{key}: checkpoint has {saved.get(key)}, this run "
+                f"expects {wanted.get(key)}"
             )
-        if len(mismatched) > 20:
-            problems.append(f"... and {len(mismatched) - 20} more leaves")
-        if problems:
-            raise CheckpointError(f"{where} does not match this run:\n  " + "\n  ".join(problems))
 
     def warm_host_memory(self, abstract_state) -> threading.Thread | None:
         """Allocates, in a background thread, the pinned host memory the first save will use.

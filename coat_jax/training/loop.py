@@ -116,6 +116,8 @@ def train(cfg: TrainConfig, *, stop_at: int | None = None, say=print) -> TrainRe
                 if distributed.is_main_process():
                     config = yaml.safe_dump(to_dict(cfg), sort_keys=False)
                     (out / "config.yaml").write_text(config)
+                    # Made here, not by the Checkpointer: a run refused above leaves none.
+                    checkpointer.directory.mkdir(exist_ok=True)
                 result = run_loop(run, cfg, out, stop_at, say)
             except BaseException:
                 # A failed save in flight must not hide the error that stops the run.

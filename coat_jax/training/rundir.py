@@ -6,7 +6,9 @@ left by a killed trainer is taken over (and said so), while a second trainer sta
 directory in use is refused with the owner's pid. ``<output_dir>/train.log`` receives every
 status line of the run, and its error line if it fails, from the moment the run is set up
 (:meth:`RunDirectory.start_log`): a run refused before that (bad input, a checkpoint that does
-not match) leaves the directory as it found it.
+not match) leaves the directory as it found it: its error line goes to stderr only, the lock
+file is removed, and the directories it created for the run (``output_dir`` and its missing
+parents) are removed again.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class RunDirectory:
         self._fd: int | None = None
         self._log = None
         self._early: list[str] = []
+        self._created: list[Path] = []
 
     def __enter__(self) -> RunDirectory:
         if self.path.exists() and not self.path.is_dir():
@@ -46,6 +49,7 @@ class RunDirectory:
                 f"output_dir {str(self.path)!r} is a file, not a directory; choose another "
                 "output_dir"
             )
+        self._created = [p for p in (self.path, *self.path.parents) if not p.exists()]
         self.path.mkdir(parents=True, exist_ok=True)
         self._fd = self._lock()
         return self
@@ -98,7 +102,8 @@ class RunDirectory:
         self._early = []
 
     def __exit__(self, *exc) -> None:
-        if self._log is not None:
+        started = self._log is not None
+        if started:
             self._log.close()
             self._log = None
         if self._fd is not None:
@@ -106,3 +111,10 @@ class RunDirectory:
             self.lock_path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
+        if not started:
+            # A run that never got set up leaves no directory it made (deepest first).
+            for path in self._created:
+                try:
+                    path.rmdir()
+                except OSError:
+                    break

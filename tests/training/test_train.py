@@ -585,6 +585,28 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, cache_dir):
         train(tiny(tmp_path, cache_dir, "steps=6", "resume=true"))
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["new_dir", "existing_dir"])
+def test_refused_runs_leave_the_output_dir_as_they_found_it(tmp_path, cache_dir, existing):
+    # docs/training.md, 'Reliability': no file, no directory, no train.log line from a refused
+    # run.
+    out = tmp_path / "parent" / "run"
+    if existing:
+        out.mkdir(parents=True)
+        (out / "notes.txt").write_text("the user's own file")
+    before = dir_digest(tmp_path)
+    refusals = [
+        (["init_from=/nonexistent"], ValueError, "init_from"),
+        (["resume=true"], CheckpointError, "there is no checkpoint"),
+    ]
+    for overrides, error, message in refusals:
+        with pytest.raises(error, match=message):
+            train(tiny(out, cache_dir, "steps=6", *overrides))
+        assert dir_digest(tmp_path) == before
+        assert out.exists() == existing and (tmp_path / "parent").exists() == existing
+        if existing:
+            assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
 def test_a_new_run_never_overwrites_checkpoints(good_run, cache_dir):
     before = dir_digest(good_run)
     with pytest.raises(ValueError, match=r"already holds checkpoints \(steps \[6\]\); pass resume"):
@@ -618,12 +640,20 @@ def _break_metadata(run):
     (run / "checkpoints" / "6" / "meta" / "metadata").write_text("{not json")
 
 
+def _truncate_largest_array_file(run):
+    data = max((run / "checkpoints" / "6" / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
 def _delete_arrays(run):
     for f in (run / "checkpoints" / "6" / "state").rglob("d/*"):
         f.unlink()
 
 
-@pytest.mark.parametrize("damage", [_corrupt_largest_array_file, _break_metadata, _delete_arrays])
+@pytest.mark.parametrize(
+    "damage",
+    [_corrupt_largest_array_file, _truncate_largest_array_file, _break_metadata, _delete_arrays],
+)
 def test_corrupt_checkpoint_is_refused_and_left_alone(good_run, tmp_path, cache_dir, damage):
     import shutil
 
@@ -631,15 +661,18 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(good_run, tmp_path, cache_
     shutil.copytree(good_run, run)
     damage(run)
     before = dir_digest(run)
-    # Through train.py in a child process: after a failed read Orbax leaves background threads
-    # that report "Event loop is closed" at interpreter exit, which in pytest's own process
-    # raced pytest's closing summary.
+    # Through train.py in a child process: its whole stderr, exit code included.
     overrides = [*TINY, f"output_dir={run}", *cache_overrides(cache_dir), "steps=8", "resume=true"]
     proc = subprocess.run(
         [sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert re.search(r"error: CheckpointError: checkpoint step 6 .* is unreadable", proc.stderr)
+    # stderr is the error alone (no Orbax noise, no TensorStore spec): at most three lines,
+    # the remedy first.
+    error = proc.stderr.strip().splitlines()
+    assert 1 <= len(error) <= 3 and "tensorstore_spec" not in proc.stderr, proc.stderr[-2000:]
+    assert error[0].startswith("error: CheckpointError: there is no earlier checkpoint: start a")
+    assert re.search(r"checkpoint step 6 .* is unreadable", error[1])
     assert dir_digest(run) == before
 
 
