@@ -204,6 +204,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
@@ -216,21 +217,26 @@ def _pre_tokenizer(pre: str | None):
     if pre in _GPT2_DIGITS_PRE:
         # llama.cpp splits these on every digit first, then applies the GPT-2 regex.
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _LLAMA3_PRE:
+    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
+        if pre in _QWEN2_PRE:
+            # Qwen2's split: Llama 3's with one digit per piece, from its transformers tokenizer.
+            from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as split
+        else:
+            split = _LLAMA3_SPLIT
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    valid = sorted((*_GPT2_PLAIN_PRE, *_GPT2_DIGITS_PRE, *_LLAMA3_PRE))
+    valid = sorted((*_GPT2_PLAIN_PRE, *_GPT2_DIGITS_PRE, *_LLAMA3_PRE, *_QWEN2_PRE))
     raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported; valid: {valid}")
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
     """The tokenizer stored in a GGUF file's metadata, as a transformers fast tokenizer.
 
-    Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: Llama 3, SmolLM) are built
+    Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: Llama 3, SmolLM, Qwen2) are built
     here from the tokens, merges and pre-tokenizer type. SentencePiece ones (`"llama"`: Llama 2)
     go through transformers' own GGUF tokenizer conversion.
     """

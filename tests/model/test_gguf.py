@@ -283,3 +283,30 @@ def test_smollm2_perplexity_and_precision_modes(smollm):
         assert abs(ppl / ppl32 - 1) <= tol["ppl"], measured
         assert dlp <= tol["logprob"], measured
     print("SmolLM2 perplexity (ppl, mean |dlogprob|):", measured)
+
+
+def test_a_qwen2_gguf_tokenizer_splits_as_transformers_does(tmp_path):
+    """Qwen2's pre-tokenizer (tokenizer.ggml.pre = qwen2) splits every digit on its own, so the
+    merge "1 2" never applies, where Llama 3's split would make "12" of "1212"."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    merges = ["1 2", "a b", "Ġ 1"]
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens += [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+    w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_eos_token_id(len(tokens) - 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = load_tokenizer(str(tmp_path / "tok.gguf"))
+    text = "ab 12 345 don't 1212<|endoftext|>"
+    assert ours.tokenize(text)[-5:] == ["1", "2", "1", "2", "<|endoftext|>"]
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tok.gguf")
+    assert ours(text)["input_ids"] == reference(text)["input_ids"]
