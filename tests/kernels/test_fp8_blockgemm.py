@@ -46,12 +46,11 @@ def rel(a, ref):
 
 
 # (M, K, N, block, tiles, format of a, output dtype): DeepSeek-V3's block with two K steps and
-# two column tiles; a small block with an output tile narrower than the tile bounds, written in
-# BF16; an E5M2 gradient times E4M3 weights, as in the input gradient.
+# two column tiles; a small block and output tiles narrower than the tile bounds, an E5M2
+# gradient times E4M3 weights (as in the input gradient), written in BF16.
 CASES = [
     (32, 256, 256, 128, GemmTiles(), "e4m3", jnp.float32),
-    (48, 96, 48, 32, GemmTiles(block_m=16, block_n=32), "e4m3", jnp.bfloat16),
-    (32, 256, 128, 128, GemmTiles(block_m=32), "e5m2", jnp.float32),
+    (32, 64, 32, 32, GemmTiles(block_m=16, block_n=16), "e5m2", jnp.bfloat16),
 ]
 
 
@@ -81,9 +80,9 @@ class TestCompiledGPU(Fp8BlockGemmContract, CompiledGPU):
     pass
 
 
-@pytest.mark.parametrize(("k", "n"), [(256, 256), (200, 136)])
-def test_reference_is_the_dequantized_product(k, n):
-    # (200, 136): neither a multiple of 128; the short last blocks are zero-padded.
+def test_reference_is_the_dequantized_product():
+    # Two blocks along K = 200, the short last one zero-padded.
+    k, n = 200, 136
     ops = operands(16, k, n, 128)
     assert ops[1].shape == (16, -(-k // 128)) and ops[3].shape == (-(-k // 128), n)
     got = jax.jit(bg.blockwise_matmul_reference)(*ops)
