@@ -79,7 +79,8 @@ class FP8Config:
       group_size: G of the 1xG groups of the non-linear ops and of group scaling (COAT: 16).
       implementation: "auto" (Pallas kernels where they apply: on a GPU, on one device or with
         ``mesh`` given; XLA elsewhere), "xla" or "pallas", for the quantizers and the fused
-        non-linear kernels. The GEMMs are always XLA dots.
+        non-linear kernels, and for the block-scaled GEMM of ``linear_scaling="block"``; the
+        other GEMMs are always XLA dots.
       op_implementations: per-op exceptions to ``implementation``, ``((op, implementation),
         ...)`` with ``op`` one of :data:`KERNEL_OPS` (``"quantize_per_tensor"``: the linear
         layers' per-tensor quantizer; ``"quantize_per_group"``: FP8 attention's 1xG q, k, v;
