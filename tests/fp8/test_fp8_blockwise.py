@@ -121,8 +121,9 @@ def test_ops_for_dot_general_and_config_checks():
         fp8_blockwise_linear(x, w, FP8Config(linear_scaling="row"))
     with pytest.raises(ValueError, match="fp8_rowwise_linear runs linear_scaling 'row' or"):
         fp8_rowwise_linear(x, w, BLOCK)
-    with pytest.raises(ValueError, match="set fp8_linear_scaling=tensor"):
-        load_config(None, [*tiny_run(layers=1), "fp8_linear_scaling=block"])  # "once" default
+    # The trainer's default weight residual is "once".
+    with pytest.raises(ValueError, match="set precision.fp8_linear_scaling=tensor"):
+        load_config(None, [*tiny_run(layers=1), "precision.fp8_linear_scaling=block"])
 
 
 def test_trainer_step_runs_twice(tmp_path):
@@ -131,8 +132,8 @@ def test_trainer_step_runs_twice(tmp_path):
     overrides = [
         *tiny_run(layers=1, batch_size=2, seq_len=16),
         "kernels=xla",
-        "fp8_weight_residual=master",
-        "fp8_linear_scaling=block",
+        "precision.fp8_weight_residual=master",
+        "precision.fp8_linear_scaling=block",
         f"output_dir={tmp_path}/r",
     ]
     cfg = load_config(None, overrides)
