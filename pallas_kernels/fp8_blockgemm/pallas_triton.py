@@ -6,7 +6,8 @@ A program holds ``[block_m, block_n]`` of the output. Each step of its loop load
 block]`` codes of ``a`` and ``[block, block_n]`` codes of ``b``, multiplies them on the FP8
 tensor cores (float32 result), and scales the partial product by ``a``'s scales of that block
 (one per row) and ``b``'s (one per column), as DeepSeek-V3 promotes its partial sums to float32
-with their scales applied.
+with their scales applied. Operands of two FP8 formats (the backward's E5M2 gradient times
+E4M3 codes) run on the BF16 tensor cores instead.
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ MIN_TILE = 16
 
 def _kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, block):
     rows, cols = o_ref.shape
+    # Triton's dot takes two FP8 operands of one format only: an E5M2 gradient times E4M3
+    # codes is multiplied in BF16, which holds every value of both formats exactly.
+    mixed = a_ref.dtype != b_ref.dtype
 
     def step(k, acc):
         ks = pl.ds(pl.multiple_of(k * block, block), block)
-        part = jnp.dot(a_ref[:, ks], b_ref[ks, :], preferred_element_type=jnp.float32)
+        a, b = a_ref[:, ks], b_ref[ks, :]
+        if mixed:
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        part = jnp.dot(a, b, preferred_element_type=jnp.float32)
         return acc + part * sa_ref[:, pl.ds(k, 1)] * sb_ref[pl.ds(k, 1), :]
 
     acc = jax.lax.fori_loop(0, sa_ref.shape[1], step, jnp.zeros((rows, cols), jnp.float32))
