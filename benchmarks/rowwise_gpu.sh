@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Row-wise scaled FP8 linear (FP8Config.linear_scaling, trainer key fp8_linear_scaling) on one
-# GPU, within 9 minutes of wall clock:
+# Row-wise and block-wise scaled FP8 linear (FP8Config.linear_scaling, trainer key
+# fp8_linear_scaling) on one GPU, within 9 minutes of wall clock:
 #   1. the row-wise tests on the GPU (the producers' Pallas kernels compiled, the fused ops'
 #      gradients, the cuBLASLt FP8 GEMMs of each scaling; the three-step trainer run, a
 #      compile-bound CPU test, is left to the CPU);
@@ -17,7 +17,10 @@
 #                     producers as XLA's fusions of the jnp references (the trainer's default);
 #   row_pallas        the same with the producers' Pallas kernels (fp8_op_kernels
 #                     rmsnorm_rowwise=pallas, swiglu_rowwise=pallas);
-#   row_gw_hp_pallas  precision.fp8_linear_scaling=row_gw_hp with the producers' Pallas kernels.
+#   row_gw_hp_pallas  precision.fp8_linear_scaling=row_gw_hp with the producers' Pallas kernels;
+#   block_xla         precision.fp8_linear_scaling=block, the block-scaled GEMMs as XLA's scan
+#                     over the 128-wide blocks of the jnp reference (kernels.blockwise_gemm=xla);
+#   block_pallas      the same with the Pallas block GEMM kernel (kernels.blockwise_gemm=pallas).
 # The whole Llama-2-7B step (bench_e2e.py) is not run: BF16 with optax's float32 AdamW needs
 # about 104 GiB for weights, gradients and moments, more than an 80 GiB card holds.
 # COAT runs the FP8 options of its largest-batch setting that apply to one layer (FP8
@@ -67,9 +70,10 @@ run_step() {  # run_step SECONDS COMMAND...: at most SECONDS, and never past the
 } >>"$LOG" 2>&1
 
 if [[ -z ${SKIP_TESTS:-} ]]; then
-  run_step 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_pallas_rowquant.py \
+  run_step 150 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_rowquant.py \
     tests/fp8/test_fp8_rowwise_fused.py tests/fp8/test_fp8_rowwise.py \
-    -k "not trainer_runs_three_steps"
+    tests/kernels/test_fp8_blockgemm.py tests/fp8/test_fp8_blockwise.py \
+    -k "not trainer_runs_three_steps and not trainer_step_runs_twice"
 fi
 HLO=$(mktemp -d)
 run_step 90 python3 benchmarks/rowwise_hlo.py --out "$HLO" "${HLO_SIZE[@]}"
@@ -87,8 +91,15 @@ for setting in $ROW_SETTINGS; do
     row_xla) extra=(--set precision.fp8_linear_scaling=row) ;;
     row_pallas) extra=(--set precision.fp8_linear_scaling=row "${PALLAS_PRODUCERS[@]}") ;;
     row_gw_hp_pallas) extra=(--set precision.fp8_linear_scaling=row_gw_hp "${PALLAS_PRODUCERS[@]}") ;;
+    block_xla)
+      extra=(--set precision.fp8_linear_scaling=block --set kernels.blockwise_gemm=xla)
+      ;;
+    block_pallas)
+      extra=(--set precision.fp8_linear_scaling=block --set kernels.blockwise_gemm=pallas)
+      ;;
     *)
-      echo "== unknown ROW_SETTINGS entry $setting (row_xla, row_pallas, row_gw_hp_pallas)" >>"$LOG"
+      echo "== unknown ROW_SETTINGS entry $setting (row_xla, row_pallas, row_gw_hp_pallas," \
+        "block_xla, block_pallas)" >>"$LOG"
       continue
       ;;
   esac

@@ -76,6 +76,7 @@ import jax
 from coat_jax import attention
 from coat_jax.attention import attention_implementation
 from coat_jax.fp8.attention import fp8_attention, fp8_attention_linear
+from coat_jax.fp8.blockwise import fp8_blockwise_linear
 from coat_jax.fp8.checks import check_float, check_pair
 from coat_jax.fp8.compiler import (
     GPU_BACKENDS,
@@ -102,6 +103,7 @@ from coat_jax.fp8.linear import (
     FP8Weight,
     fp8_dot_general,
     fp8_linear,
+    linear_of,
     prequantized,
     quantize_weight,
 )
@@ -170,6 +172,7 @@ __all__ = [
     "fp8_attention",
     "fp8_attention_linear",
     "fp8_rowwise_linear",
+    "fp8_blockwise_linear",
     "fp8_rmsnorm_rowwise_linear",
     "fp8_swiglu_rowwise_linear",
     # plain ops
@@ -260,8 +263,8 @@ def ops_for(
         return plain
     if recorder is not None:
         return _recording_ops(plain, precision, config, recorder)
-    rowwise = config.linear_scaling != "tensor"
-    fp8_lin = _bound(fp8_rowwise_linear if rowwise else fp8_linear, config)
+    rowwise = config.linear_scaling in ("row", "row_gw_hp")
+    fp8_lin = _bound(linear_of(config), config)
     if precision == "fp8":
         return plain._replace(linear=fp8_lin)
     fused = config.swiglu == "fused"

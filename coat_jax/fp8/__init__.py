@@ -13,4 +13,7 @@ public face (the op sets by precision, and every name below re-exported).
 - ``recording``: the ops' ``observed_*`` variants and ``ScaleRecorder`` (activation telemetry).
 - ``rowwise``: ``fp8_rowwise_linear``, the linear of ``FP8Config.linear_scaling`` ``"row"`` and
   ``"row_gw_hp"`` (per-token and per-output-channel scales).
+- ``rowwise_fused``: the row-wise linear with the op producing its input, as one op.
+- ``blockwise``: ``fp8_blockwise_linear``, the linear of ``FP8Config.linear_scaling`` ``"block"``
+  (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3's scaling).
 """

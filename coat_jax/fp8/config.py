@@ -29,8 +29,9 @@ ATTENTION_BACKWARDS = ("recompute", "saved_output")
 SWIGLU_OPS = ("coat", "fused")
 # How the linears of the op sets scale their FP8 operands (``FP8Config.linear_scaling``):
 # "tensor" one scale per tensor (COAT, ``fp8_linear``); "row" and "row_gw_hp" one per token
-# and per output channel (``coat_jax.fp8.rowwise``), differing in the weight gradient's GEMM.
-LINEAR_SCALINGS = ("tensor", "row", "row_gw_hp")
+# and per output channel (``coat_jax.fp8.rowwise``), differing in the weight gradient's GEMM;
+# "block" one per 1x128 activation tile and 128x128 weight block (``coat_jax.fp8.blockwise``).
+LINEAR_SCALINGS = ("tensor", "row", "row_gw_hp", "block")
 # The ops whose kernels ``FP8Config.op_implementations`` picks one by one.
 KERNEL_OPS = (
     "quantize_per_tensor",
@@ -41,6 +42,7 @@ KERNEL_OPS = (
     "swiglu",
     "rmsnorm_rowwise",
     "swiglu_rowwise",
+    "blockwise_gemm",
 )
 
 
@@ -77,13 +79,15 @@ class FP8Config:
       group_size: G of the 1xG groups of the non-linear ops and of group scaling (COAT: 16).
       implementation: "auto" (Pallas kernels where they apply: on a GPU, on one device or with
         ``mesh`` given; XLA elsewhere), "xla" or "pallas", for the quantizers and the fused
-        non-linear kernels. The GEMMs are always XLA dots.
+        non-linear kernels, and for the block-scaled GEMM of ``linear_scaling="block"``; the
+        other GEMMs are always XLA dots.
       op_implementations: per-op exceptions to ``implementation``, ``((op, implementation),
         ...)`` with ``op`` one of :data:`KERNEL_OPS` (``"quantize_per_tensor"``: the linear
         layers' per-tensor quantizer; ``"quantize_per_group"``: FP8 attention's 1xG q, k, v;
         ``"rmsnorm"``, ``"silu"``, ``"mul"``, ``"swiglu"``: the fused non-linear ops, forward
         and backward; ``"rmsnorm_rowwise"``, ``"swiglu_rowwise"``: the producers that write a
-        row-wise linear's operand, ``coat_jax.fp8.rowwise_fused``, forward). Lets a program run
+        row-wise linear's operand, ``coat_jax.fp8.rowwise_fused``, forward;
+        ``"blockwise_gemm"``: the block-scaled GEMM of ``linear_scaling="block"``). Lets a program run
         XLA's fusions where they are faster and a Pallas kernel where it is
         (docs/bench_fp8_kernels.md, docs/bench_fp8_rowwise.md).
       interpret: run Pallas kernels in interpret mode (CPU tests; "auto" then tries them too).
@@ -165,11 +169,14 @@ class FP8Config:
         ``"tensor"`` (default, COAT): one scale per tensor (``fp8_linear``). ``"row"``: one
         per token of the input and one per output channel of the weight, backward GEMMs scaled
         along their contraction axes; ``"row_gw_hp"``: the same with the weight gradient in the
-        compute dtype (:func:`coat_jax.fp8.rowwise.fp8_rowwise_linear`). The row-wise ones take
+        compute dtype (:func:`coat_jax.fp8.rowwise.fp8_rowwise_linear`). ``"block"``: one
+        scale per 1x128 tile of the input and per 128x128 block of the weight, applied inside
+        the GEMM's contraction loop, FP8 backward GEMMs scaled likewise
+        (:func:`coat_jax.fp8.blockwise.fp8_blockwise_linear`). All but ``"tensor"`` take
         ``weight_residual="master"`` and ``attention_backward="recompute"`` only. In the
-        ``coat`` op set they also run each RMSNorm with the linear it feeds, and (with
-        ``swiglu="fused"``) the SwiGLU with the down projection, as one op whose producer writes
-        the row codes (:mod:`coat_jax.fp8.rowwise_fused`).
+        ``coat`` op set the row-wise ones also run each RMSNorm with the linear it feeds, and
+        (with ``swiglu="fused"``) the SwiGLU with the down projection, as one op whose producer
+        writes the row codes (:mod:`coat_jax.fp8.rowwise_fused`).
     """
 
     act_format: str = "e4m3"
@@ -196,12 +203,12 @@ class FP8Config:
                 f"linear_scaling={self.linear_scaling!r} is not one of {list(LINEAR_SCALINGS)}: "
                 "'tensor' scales each linear's operands per tensor, 'row' per token and output "
                 "channel with FP8 backward GEMMs, 'row_gw_hp' the same with the weight gradient "
-                "in BF16"
+                "in BF16, 'block' per 1x128 activation tile and 128x128 weight block"
             )
         if self.linear_scaling != "tensor" and self.weight_residual != "master":
             raise ValueError(
                 f"linear_scaling={self.linear_scaling!r} re-quantizes the master weight per "
-                f"channel, and weight_residual={self.weight_residual!r} hands per-tensor codes; "
+                f"channel or block, and weight_residual={self.weight_residual!r} hands per-tensor codes; "
                 "set weight_residual='master'"
             )
         if self.linear_scaling != "tensor" and self.attention_backward != "recompute":

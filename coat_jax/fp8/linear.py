@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from coat_jax import quant
+from coat_jax.fp8.blockwise import fp8_blockwise_linear
 from coat_jax.fp8.checks import check_float
 from coat_jax.fp8.config import DEFAULT_CONFIG, FP8Config
 from coat_jax.fp8.residuals import keep, keep_weight, pin
@@ -357,6 +358,14 @@ def fp8_dot_general(
             f"fp8_dot_general supports only x [..., K] @ w [K, N], i.e. dimension_numbers "
             f"{expected} with a 2-D rhs; got {dimension_numbers} with rhs shape {rhs.shape}"
         )
-    linear = fp8_linear if config.linear_scaling == "tensor" else fp8_rowwise_linear
-    y = linear(lhs, rhs, config)
+    y = linear_of(config)(lhs, rhs, config)
     return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+def linear_of(config: FP8Config):
+    """The FP8 linear ``(x, w, config)`` of ``config.linear_scaling``: :func:`fp8_linear`
+    (``"tensor"``), ``fp8_rowwise_linear`` (``"row"``, ``"row_gw_hp"``) or
+    ``fp8_blockwise_linear`` (``"block"``)."""
+    if config.linear_scaling == "tensor":
+        return fp8_linear
+    return fp8_blockwise_linear if config.linear_scaling == "block" else fp8_rowwise_linear

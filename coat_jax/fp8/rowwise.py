@@ -100,31 +100,32 @@ def _dot(a_codes, b_codes, contracting, scale, config, compute_dtype, out_dtype)
     return (acc.astype(jnp.float32) * scale).astype(out_dtype)
 
 
-def _as_weights(w) -> tuple:
+def as_weights(w) -> tuple:
+    """The weights of one linear call: ``w`` itself if a tuple or list, else ``(w,)``."""
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
-def check_linear(x, w, config):
-    """Errors for what :func:`fp8_rowwise_linear` does not take (a ``'tensor'`` config, a
-    weight that is not a 2-D master weight of ``x``'s last axis)."""
-    if config.linear_scaling == "tensor":
+def check_linear(x, w, config, op="fp8_rowwise_linear", scalings=("row", "row_gw_hp")):
+    """Errors for what the linear ``op`` does not take: a config whose ``linear_scaling`` is
+    not one of ``scalings``, a weight that is not a 2-D master weight of ``x``'s last axis."""
+    if config.linear_scaling not in scalings:
         raise ValueError(
-            "fp8_rowwise_linear runs linear_scaling='row' or 'row_gw_hp'; for 'tensor' call "
-            "coat_jax.fp8_ops.fp8_linear"
+            f"{op} runs linear_scaling {' or '.join(map(repr, scalings))}, got "
+            f"{config.linear_scaling!r}; for 'tensor' call coat_jax.fp8_ops.fp8_linear (ops_for("
+            "precision, config).linear picks the linear of each scaling)"
         )
-    weights = _as_weights(w)
+    weights = as_weights(w)
     if not weights:
-        raise ValueError("fp8_rowwise_linear needs at least one weight")
+        raise ValueError(f"{op} needs at least one weight")
     for wi in weights:
         if not isinstance(wi, jax.Array):
             raise TypeError(
-                f"fp8_rowwise_linear takes master weights (arrays), got {type(wi).__name__}; "
-                "row-wise scaling re-quantizes the master weight, use weight_residual='master'"
+                f"{op} takes master weights (arrays), got {type(wi).__name__}; it re-quantizes "
+                "the master weight, use weight_residual='master'"
             )
         if wi.ndim != 2 or x.ndim < 1 or x.shape[-1] != wi.shape[0]:
             raise ValueError(
-                f"fp8_rowwise_linear needs x [..., K] and w [K, N]; got x {x.shape} and "
-                f"w {wi.shape}"
+                f"{op} needs x [..., K] and w [K, N]; got x {x.shape} and w {wi.shape}"
             )
 
 
@@ -175,7 +176,7 @@ def rowwise_gemms(x_q: quant.QuantizedTensor, w, config, out_dtype):
     k = x_q.shape[-1]
     x_codes, x_scale = x_q.codes.reshape(-1, k), x_q.scale.reshape(-1, 1)
     ys = []
-    for wi in _as_weights(w):
+    for wi in as_weights(w):
         w_codes, w_scale = quantize_along(wi, 0, config.act_format, config)
         y = _dot(x_codes, w_codes, ((1,), (0,)), x_scale * w_scale, config, out_dtype, out_dtype)
         ys.append(y.reshape(*x_q.shape[:-1], wi.shape[1]))
@@ -192,7 +193,7 @@ def rowwise_grads(x_q: quant.QuantizedTensor, w, dy, config):
     """:func:`fp8_rowwise_linear`'s backward from its row-quantized input ``x_q``, the master
     weight(s) ``w`` and the output gradient(s) ``dy``: ``(dx, dw)``, ``dx`` in ``dy``'s dtype,
     ``dw`` like ``w``."""
-    weights, dys = _as_weights(w), _as_weights(dy)
+    weights, dys = as_weights(w), as_weights(dy)
     compute = dys[0].dtype
     k = x_q.shape[-1]
     x = x_q.dequantize().reshape(-1, k)

@@ -59,15 +59,15 @@ DESCRIPTIONS = {
     "and up only (precision coat)",
     "precision.fp8_linear_scaling": "FP8 linear scales: tensor (COAT); row (per token and "
     "channel); "
-    "row_gw_hp (row, the weight gradient in BF16)",
+    "row_gw_hp (row, the weight gradient in BF16); block (1x128 tiles, 128x128 weight blocks)",
     "precision.master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded "
     "updates)",
     "memory.loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
     "kernels": "auto: Pallas kernels on a GPU (per shard on a mesh; the FP8 ops by the run's "
     "shape: auto for hidden >= 4096 and >= 16384 tokens per device, else xla); xla: jnp; pallas; "
     "or a mapping {optimizer: IMPL, fp8_ops: IMPL, OP: IMPL} (OP: quantize_per_tensor, "
-    "quantize_per_group, rmsnorm, silu, mul, swiglu, rmsnorm_rowwise, swiglu_rowwise), a part "
-    "left out taking auto",
+    "quantize_per_group, rmsnorm, silu, mul, swiglu, rmsnorm_rowwise, swiglu_rowwise, "
+    "blockwise_gemm), a part left out taking auto",
     "init_from": "HF/coat-jax folder or .gguf to start from (pkg:PACKAGE/FILE looks in a package)",
     "model.vocab_size": "vocabulary size (at least the tokenizer's)",
     "model.hidden_size": "width of the residual stream",

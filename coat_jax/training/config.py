@@ -123,8 +123,9 @@ class TrainConfig:
     - ``precision.fp8_linear_scaling``: how the FP8 linears scale their operands
       (``FP8Config.linear_scaling``; precision ``fp8`` or ``coat``, with
       ``fp8_weight_residual: master``): ``tensor`` (default, COAT: one scale per tensor),
-      ``row`` (one per token and per output channel, FP8 backward GEMMs) or ``row_gw_hp`` (the
-      same, the weight gradient in BF16); ``coat_jax.fp8.rowwise``.
+      ``row`` (one per token and per output channel, FP8 backward GEMMs), ``row_gw_hp`` (the
+      same, the weight gradient in BF16); ``coat_jax.fp8.rowwise``; or ``block`` (one per 1x128
+      activation tile and 128x128 weight block, DeepSeek-V3's; ``coat_jax.fp8.blockwise``).
     - ``precision.master_dtype``: dtype of the trained parameters. ``bfloat16`` halves the master
       weights and their gradients; the optimizer still computes in float32 and each update is
       applied with stochastic rounding (``coat_jax.master``). An option, not a default: see
