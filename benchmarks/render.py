@@ -275,11 +275,12 @@ def history(link: Callable[[str], str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def layer_page(folder: str) -> Callable[[Callable[[str], str]], str]:
-    """A whole ``bench_layer.py`` report page, as the benchmark writes it."""
+def layer_page(folder: str, name: str = "layer.jsonl") -> Callable[[Callable[[str], str]], str]:
+    """A whole ``bench_layer.py`` report page of the records ``folder/name``, as the benchmark
+    writes it."""
 
     def render(link: Callable[[str], str]) -> str:
-        records = _records(f"{folder}/layer.jsonl")
+        records = _records(f"{folder}/{name}")
         cmds = [r["command"] for r in records if r["kind"] == "command"]
         return bench_layer.write_docs(None, records, cmds[-1] if cmds else "unknown")
 
@@ -645,6 +646,8 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "sizes_76M": sizes_page("76M"),
     "quant_error": lambda link: quant_error.report(_records("quant_error/run.jsonl")),
     "fp8_rowwise": layer_page("fp8_rowwise"),
+    "fp8_rowwise/block_xla_row_gw_hp": layer_page("fp8_rowwise", "block_xla_row_gw_hp.jsonl"),
+    "fp8_rowwise/block_pallas": layer_page("fp8_rowwise", "block_pallas.jsonl"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
 
