@@ -109,7 +109,7 @@ def test_the_trainers_loss_without_excess_precision():
 
 
 def test_a_wrong_value_names_the_option():
-    with pytest.raises(ValueError, match="xla_excess_precision"):
+    with pytest.raises(ValueError, match=r"xla\.excess_precision"):
         load_config(None, [*RUN, "xla.excess_precision=maybe"])
 
 
