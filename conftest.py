@@ -9,15 +9,10 @@ compiled again by another test, another pytest-xdist worker or a ``train.py`` ch
   their own.
 - XLA:CPU's backend at optimization level 0: the programs are tiny, so LLVM's optimizations cost
   far more time than they save. The arithmetic is the same at every level (XLA:CPU keeps fast
-  math off), so every tolerance and bit-for-bit comparison holds.
-- XLA:CPU's loop-fusion emitters instead of its MLIR fusion emitters, which take most of a small
-  program's compile time. A fused element-wise chain can round differently from the same ops
-  run one at a time (a unit in the last place), so a test that compares a call outside ``jit``
-  with one inside it bit for bit sets ``--xla_cpu_use_fusion_emitters=true`` in its process.
-- Neither flag is set where a GPU is present, so GPU tests compile as users' programs do; a flag
-  already in ``XLA_FLAGS`` keeps its value.
+  math off), so every tolerance and bit-for-bit comparison holds. Not set where a GPU is present,
+  so GPU tests compile as users' programs do.
 
-``COAT_JAX_TEST_COMPILE=default`` turns all of them off.
+``COAT_JAX_TEST_COMPILE=default`` turns both off.
 """
 
 from __future__ import annotations
@@ -27,11 +22,7 @@ import os
 import shutil
 import tempfile
 
-CPU_TEST_XLA_FLAGS = (
-    "--xla_backend_optimization_level=0",
-    "--xla_llvm_disable_expensive_passes=true",
-    "--xla_cpu_use_fusion_emitters=false",
-)
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _fast_compile_settings() -> None:
@@ -45,9 +36,8 @@ def _fast_compile_settings() -> None:
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     has_gpu = shutil.which("nvidia-smi") is not None
     flags = os.environ.get("XLA_FLAGS", "")
-    if not has_gpu:
-        missing = [f for f in CPU_TEST_XLA_FLAGS if f.split("=")[0] + "=" not in flags]
-        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    if not has_gpu and CPU_TEST_XLA_FLAGS not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_TEST_XLA_FLAGS}".strip()
 
 
 _fast_compile_settings()

@@ -16,10 +16,9 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 
 def xla_flags(devices: int, *more: str) -> str:
     """``XLA_FLAGS`` for a child process with ``devices`` CPU devices, keeping the test run's flags
-    (the test compile settings of conftest.py) except those ``more`` sets again."""
-    names = {f.split("=")[0] for f in more}
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}", *more])
+    (the test compile settings of conftest.py)."""
+    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}"]
+    return " ".join(f for f in [*flags, *more] if f)
 
 
 def run_on_fake_devices(code: str, *, devices: int = 8, timeout: int = 300) -> str:

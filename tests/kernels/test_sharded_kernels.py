@@ -17,9 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernels_on_8_devices_equal_one_device():
     env = dict(
         os.environ,
-        # test_mesh_of_one_device_equals_no_mesh compares a call outside jit with one inside it
-        # bit for bit: XLA's own fusion emitters, not the test run's faster ones (conftest.py).
-        XLA_FLAGS=xla_flags(8, "--xla_cpu_use_fusion_emitters=true"),
+        XLA_FLAGS=xla_flags(8),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )
