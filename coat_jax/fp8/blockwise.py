@@ -91,7 +91,7 @@ def fp8_blockwise_linear(x: jax.Array, w, config):
       ``[..., N]`` in ``x.dtype`` (a tuple for a tuple ``w``); weight gradients come back in
       each master weight's dtype.
 
-    Example:
+    Examples:
       >>> from coat_jax.fp8_ops import FP8Config
       >>> x = jnp.ones((2, 8, 32), jnp.bfloat16)
       >>> fp8_blockwise_linear(x, jnp.ones((32, 16)), FP8Config(linear_scaling="block")).shape

@@ -41,12 +41,12 @@ def blockwise_matmul(
       implementation: ``"auto"`` (the Pallas kernel where it applies, else the reference),
         ``"pallas"`` or ``"xla"``; ``interpret`` runs the kernel in Pallas interpret mode.
 
-    Example:
+    Examples:
       >>> from pallas_kernels.fp8_blockgemm import quantize_1x128, quantize_128x128
       >>> from pallas_kernels.fp8_blockgemm import expand_block_scale
       >>> a, (wc, ws) = quantize_1x128(jnp.ones((16, 256))), quantize_128x128(jnp.ones((256, 32)))
       >>> out = blockwise_matmul(a.codes, a.scale, wc, expand_block_scale(ws, 32))
-      >>> out.shape, float(out[0, 0])
+      >>> out.shape, round(float(out[0, 0]), 3)
       ((16, 32), 256.0)
     """
     check_operands(a_codes, a_scale, b_codes, b_scale, block)

@@ -34,7 +34,7 @@ def quantize_1x128(x: jax.Array, *, block: int = BLOCK, fmt: str = "e4m3") -> Qu
     row per ``block`` consecutive values (``scale [..., ceil(K / block)]``; a short last tile
     is zero-padded), COAT's absmax rule ``s = (max|x| + 1e-20) / fmax``.
 
-    Example:
+    Examples:
       >>> q = quantize_1x128(jnp.ones((4, 256)))
       >>> q.codes.dtype, q.scale.shape
       (dtype(float8_e4m3fn), (4, 2))
@@ -48,7 +48,7 @@ def quantize_128x128(
     """``w [K, N]`` in ``block x block`` blocks: ``(codes [K, N], scale [Kb, Nb])`` with one
     float32 absmax scale per block (partial edge blocks zero-padded).
 
-    Example:
+    Examples:
       >>> codes, scale = quantize_128x128(jnp.ones((256, 384)))
       >>> codes.shape, scale.shape
       ((256, 384), (2, 3))
