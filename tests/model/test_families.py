@@ -105,16 +105,8 @@ def _loss_and_grads(model, ids):
     return jax.jit(jax.value_and_grad(loss))(state)
 
 
-# Every precision once (on qwen2, whose biases sit beside the linear of each), and each family
-# whose layer runs ops Llama's does not (q/k norms, post-norms) in "coat", where those norms are
-# FP8 ops. Mistral's layer is Llama's. Each case is one compile, so the grid is not full.
-PRECISION_CASES = [
-    ("qwen2", "bf16"),
-    ("qwen2", "fp8"),
-    ("qwen2", "coat"),
-    ("qwen3", "coat"),
-    ("olmo2", "coat"),
-]
+# Every family in every precision (Llama's are tests/model/test_llama.py's).
+PRECISION_CASES = [(f, p) for f in sorted(FAMILIES) for p in ("bf16", "fp8", "coat")]
 
 
 @pytest.mark.parametrize("family, precision", PRECISION_CASES)
