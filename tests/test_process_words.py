@@ -42,7 +42,7 @@ WORDS = {
     ),
     "a round of work": re.compile(rf"\b(?:round\s+\d+|{ORDINAL}\s+round)\b(?!\s+trip)", re.I),
     "a version of the work": re.compile(
-        r"\b(?:this version|last time|new this \w+|previous session|we tried|the issue's|"
+        r"\b(?:this version|earlier versions?|last time|new this \w+|previous session|we tried|the issue's|"
         r"as the issue asks)\b",
         re.I,
     ),

@@ -3,8 +3,8 @@
 A config file is YAML with the run-wide keys at the top level and the others in sections by concern
 (``model``, ``precision``, ``memory``, ``data``, ``optimizer``, ``checkpoint``, ``eval``,
 ``logging``, ``xla``, ``mesh``; :mod:`coat_jax.training.config_names` names each key, and refuses a
-flat key of an earlier version with its new name). ``base: other.yaml`` (relative to the file) is
-loaded first and then updated key by key. Command-line overrides are ``key=value`` or
+flat key, e.g. ``fp8_attention``, with its sectioned name). ``base: other.yaml`` (relative to the
+file) is loaded first and then updated key by key. Command-line overrides are ``key=value`` or
 ``section.key=value``; values are parsed as YAML scalars (``steps=100``, ``init_from=null``,
 ``resume=true``). ``recipe: NAME`` (:mod:`coat_jax.recipes`) gives the keys that neither the files
 nor the overrides set. Every value is checked against the field's type, and an unknown key is
@@ -469,7 +469,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
       The validated config.
 
     Raises:
-      ValueError: unknown key (the message names close matches), a key of an earlier version
+      ValueError: unknown key (the message names close matches), a flat key
         (the message names its new name), bad value, or a base cycle.
     """
     raw: dict[str, Any] = {} if path is None else read_config_file(path)

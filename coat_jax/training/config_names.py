@@ -7,9 +7,9 @@
 of their own dataclasses (``LlamaConfig``, ``MeshConfig``) and keep their fields' names. A mapping
 may also spell a key dotted (``{"precision.mode": "bf16"}``), as recipes do.
 
-This table is the one place a key's name is defined: the flat keys of earlier versions are
-refused with the name that replaced them (:func:`flatten`), and the rename script of a project
-that still writes flat keys reads :data:`MOVED`.
+This table is the one place a key's name is defined: flat keys (unsectioned names, e.g.
+``fp8_attention``) are refused with their sectioned names (:func:`flatten`), and a script that
+rewrites a project's flat keys reads :data:`MOVED`.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ NAME_OF_FIELD: dict[str, str] = {
     for key, field in keys.items()
 }
 FIELD_OF_NAME: dict[str, str] = {name: field for field, name in NAME_OF_FIELD.items()}
-# The flat keys of earlier versions -> the name that replaced each.
+# Each flat key (an unsectioned name) -> its sectioned name.
 MOVED: dict[str, str] = {
     **{field: name for field, name in NAME_OF_FIELD.items() if field != name},
     "fp8_kernels": "kernels.fp8_ops",
@@ -144,7 +144,7 @@ def field_of(name: str) -> str:
 
 
 def moved_error(old: str) -> ValueError:
-    """The one-line error for a flat key of an earlier version."""
+    """The one-line error for a flat key (an unsectioned name)."""
     new = MOVED[old]
     if old == "fp8_kernels":
         how = "kernels: {fp8_ops: IMPL} in a file"
@@ -173,7 +173,7 @@ def unknown_keys(names) -> ValueError:
 
 def flatten(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A config mapping with sections (or dotted keys) as ``{TrainConfig field: value}``;
-    ``model`` and ``mesh`` stay mappings. A flat key of an earlier version is refused with
+    ``model`` and ``mesh`` stay mappings. A flat key (an unsectioned name) is refused with
     its new name (:func:`moved_error`), any other unknown key with its close matches."""
     flat: dict[str, Any] = {}
     unknown = []

@@ -1,4 +1,4 @@
-"""The config grouped by concern: one table of key names, flat keys of earlier versions refused
+"""The config grouped by concern: one table of key names, flat (unsectioned) keys refused
 with their new names, --help by section, the FP8 options' one default, saved configs of both
 layouts."""
 
