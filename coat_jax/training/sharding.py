@@ -19,6 +19,7 @@ hold, reading no other.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -136,14 +137,21 @@ def put_rows(read, shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array
     rows = math.prod(shape[:-1])
     if jax.process_count() == 1:
         return jax.device_put(read(np.arange(rows)).reshape(shape), sharding)
-    mine = batch_rows(shape, sharding, sharding.addressable_devices)
+    mine, flat = _own_rows(shape, sharding)
     local = read(mine)
-    where = np.full(rows, -1, dtype=np.int64)
-    where[mine] = np.arange(len(mine))
-    flat = where.reshape(shape[:-1])
     return jax.make_array_from_callback(
         shape, sharding, lambda index: local[flat[index[:-1]]][..., index[-1]]
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _own_rows(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[np.ndarray, np.ndarray]:
+    """This process's rows of a batch of ``shape`` (:func:`batch_rows`) and, over every axis but
+    the last, each row's position among them (-1: another process's): the same every step."""
+    mine = batch_rows(shape, sharding, sharding.addressable_devices)
+    where = np.full(math.prod(shape[:-1]), -1, dtype=np.int64)
+    where[mine] = np.arange(len(mine))
+    return mine, where.reshape(shape[:-1])
 
 
 def check_batch_divisible(batch_size: int, mesh: Mesh) -> None:
