@@ -152,7 +152,7 @@ def _e2e_rows() -> list[Row]:
     return [
         Row(
             "`train.py`'s Llama-2-7B step, peak memory at batch 1",
-            f"COAT with `optimizer_in_backward` {C.gib(peak(coat_b1))} GiB against BF16's best "
+            f"COAT with `optimizer.in_backward` {C.gib(peak(coat_b1))} GiB against BF16's best "
             f"(`{bf16_b1['setting']}`) {C.gib(peak(bf16_b1))} GiB: "
             f"{C.ratio(peak(bf16_b1), peak(coat_b1))} less",
             coat_b1,
