@@ -341,12 +341,12 @@ def optimizer_table(table: Callable[[list[tuple[str, dict]]], list[str]]):
     return render
 
 
-def sizes_page(size: str) -> Callable[[Callable[[str], str]], str]:
-    """``bench_sizes.py``'s report of one size from its ``bench_e2e`` records
-    (``sizes/<size>.jsonl``), the settings as the records name them."""
+def sizes_page(size: str, rel: str = "") -> Callable[[Callable[[str], str]], str]:
+    """``bench_sizes.py``'s report of one size from its ``bench_e2e`` records (``rel``, by default
+    ``sizes/<size>.jsonl``), the settings as the records name them."""
 
     def render(link: Callable[[str], str]) -> str:
-        records = _records(f"sizes/{size}.jsonl")
+        records = _records(rel or f"sizes/{size}.jsonl")
         settings = [bench_sizes.sweep_setting(r["setting"]) for r in records if "setting" in r]
         sweep = [bench_sizes.size_record(bench_sizes.SIZES[size], list(dict.fromkeys(settings)))]
         rows = bench_sizes.summarize(sweep, {size: records})
@@ -648,6 +648,7 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_rowwise": layer_page("fp8_rowwise"),
     "fp8_rowwise/block_xla_row_gw_hp": layer_page("fp8_rowwise", "block_xla_row_gw_hp.jsonl"),
     "fp8_rowwise/block_pallas": layer_page("fp8_rowwise", "block_pallas.jsonl"),
+    "fp8_rowwise/sizes_350M": sizes_page("350M", "fp8_rowwise/sizes_350M.jsonl"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
 
