@@ -114,6 +114,29 @@ def group_aligned_spec(
     return PartitionSpec(*entries)
 
 
+def view_spec(spec: PartitionSpec, shape: tuple[int, ...], view: tuple[int, ...]) -> PartitionSpec:
+    """The ``PartitionSpec`` of a tensor of ``shape`` split as ``spec``, for ``view``: a reshape
+    of it of the same rank that flattens trailing axes into the last (a group view,
+    ``coat_jax.state_codec.group_view``, whose last axis the optimizer's groups run along).
+
+    The leading axes keep their splits; the flattened axis takes the split of the first
+    flattened axis when no later one is split (each shard then holds a contiguous block of it),
+    and is replicated otherwise.
+
+    Examples:
+      >>> view_spec(PartitionSpec("fsdp", None), (512, 5), (1, 2560))
+      P(None, 'fsdp')
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if tuple(view) == tuple(shape):
+        return PartitionSpec(*entries)
+    lead = 0
+    while shape[lead] == view[lead]:
+        lead += 1
+    last = entries[lead] if all(e is None for e in entries[lead + 1 :]) else None
+    return PartitionSpec(*entries[:lead], *[None] * (len(view) - lead - 1), last)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelMesh:
     """Where the FP8 activation kernels' operands live (static and hashable, for ``FP8Config``).

@@ -213,18 +213,24 @@ class StateTelemetry:
         gs = self.group_size
         params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        kind, read = self._reader(opt_state, params)
+        old = read(opt_state)
+        # A parameter is sampled in the group view its FP8 moments are stored in.
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        views = [p.shape for _, p in flat]
+        for s in old:
+            if isinstance(s.moment, quant.QuantizedTensor):
+                views[s.param] = s.moment.shape
         plans = [
             SamplePlan.for_shape(
-                p.shape,
+                view,
                 stacked=is_stacked_layer(path),
                 rows=self.rows,
                 groups=self.groups,
                 group_size=gs,
             )
-            for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
+            for (path, _), view in zip(flat, views, strict=True)
         ]
-        kind, read = self._reader(opt_state, params)
-        old = read(opt_state)
         fields = fp8_fields(old)
         sample = {}
         if self.replay and any(fields.values()):
