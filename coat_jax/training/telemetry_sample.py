@@ -200,6 +200,22 @@ def optax_stored(
     return found
 
 
+def stored_layout(read, state) -> list[Stored]:
+    """``read(state)`` in shapes only (``jax.eval_shape``): each moment's field, parameter and
+    form (a :class:`~coat_jax.quant.QuantizedTensor` or an array of ``ShapeDtypeStruct``
+    leaves), without tracing a read into the caller's program."""
+    names = []
+
+    def moments(s):
+        stored = read(s)
+        # Field names and parameter indices are static: they leave the trace as they are.
+        names.extend((x.field, x.param) for x in stored)
+        return [x.moment for x in stored]
+
+    shapes = jax.eval_shape(moments, state)
+    return [Stored(f, i, m) for (f, i), m in zip(names, shapes, strict=True)]
+
+
 def find_inner(opt_state, structure) -> tuple[int, Any]:
     """The one subtree of ``opt_state`` with ``structure``: its position and value."""
     is_match = lambda x: jax.tree.structure(x) == structure
