@@ -119,9 +119,10 @@ def view_spec(spec: PartitionSpec, shape: tuple[int, ...], view: tuple[int, ...]
     of it of the same rank that flattens trailing axes into the last (a group view,
     ``coat_jax.state_codec.group_view``, whose last axis the optimizer's groups run along).
 
-    The leading axes keep their splits; the flattened axis takes the split of the first
-    flattened axis when no later one is split (each shard then holds a contiguous block of it),
-    and is replicated otherwise.
+    The leading axes keep their splits; the flattened axis takes the split of the one flattened
+    axis that is split (of the first, each shard already holds a contiguous block of it; of a
+    later one, XLA re-lays the shards out, as :func:`group_aligned_spec` does), and is
+    replicated where several are.
 
     Examples:
       >>> view_spec(PartitionSpec("fsdp", None), (512, 5), (1, 2560))
@@ -133,7 +134,8 @@ def view_spec(spec: PartitionSpec, shape: tuple[int, ...], view: tuple[int, ...]
     lead = 0
     while shape[lead] == view[lead]:
         lead += 1
-    last = entries[lead] if all(e is None for e in entries[lead + 1 :]) else None
+    split = [e for e in entries[lead:] if e is not None]
+    last = split[0] if len(split) == 1 else None
     return PartitionSpec(*entries[:lead], *[None] * (len(view) - lead - 1), last)
 
 
@@ -216,7 +218,9 @@ def fsdp_spec(
 
     An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
     quantization groups of ``group_size`` values run along) only when each shard's length is a
-    multiple of ``group_size``. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
+    multiple of ``group_size``. Where ``group_size`` does not divide the last axis the groups run
+    over the flatten, and only its first axis of more than one value qualifies, when each
+    shard's block of the flatten holds whole groups. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
     projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
     ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
     rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
@@ -230,10 +234,20 @@ def fsdp_spec(
     if fsdp_size == 1 or not shape:
         return PartitionSpec()
     last = len(shape) - 1
+    # Groups run over the flatten where group_size does not divide the last axis
+    # (coat_jax.state_codec.group_view): only a split of its first axis of more than one value
+    # keeps contiguous blocks of it, whose length must hold whole groups.
+    flat = len(shape) > 1 and shape[-1] % group_size != 0
+    first = next((i for i, d in enumerate(shape) if d > 1), 0)
     candidates = [
         i
         for i, d in enumerate(shape)
-        if d % fsdp_size == 0 and (i < last or (d // fsdp_size) % group_size == 0)
+        if d % fsdp_size == 0
+        and (i < last or (d // fsdp_size) % group_size == 0)
+        and (
+            not flat
+            or (i == first and (d // fsdp_size) * math.prod(shape[i + 1 :]) % group_size == 0)
+        )
     ]
     if not candidates:
         return PartitionSpec()

@@ -687,6 +687,10 @@ def test_fsdp_spec_picks_the_largest_divisible_axis():
     assert fsdp_spec((258, 64), 4) == jax.sharding.PartitionSpec()
     assert fsdp_spec((6,), 4) == jax.sharding.PartitionSpec()
     assert fsdp_spec((64, 128), 1) == jax.sharding.PartitionSpec()
+    # A last axis 128 does not divide: the split must keep whole groups of the flatten.
+    assert fsdp_spec((128, 64), 4) == jax.sharding.PartitionSpec("fsdp", None)
+    assert fsdp_spec((128, 258), 4) == jax.sharding.PartitionSpec()
+    assert fsdp_spec((1, 128, 258), 2) == jax.sharding.PartitionSpec(None, "fsdp", None)
 
 
 EIGHT_DEVICES = textwrap.dedent(
@@ -777,7 +781,8 @@ def test_eight_devices_match_one(tmp_path, cache_dir):
     specs = report["coat_specs"]
     assert specs["['params']['q_proj']"] == ["float32", [64, 64], ["fsdp", None]]
     assert specs["['params']['up_proj']"] == ["float32", [64, 128], ["fsdp", None]]
-    assert specs["['params']['lm_head']"] == ["float32", [64, 258], ["fsdp", None]]
+    # 16 rows of 258 values per shard would split the groups of its flatten: replicated.
+    assert specs["['params']['lm_head']"] == ["float32", [64, 258], []]
     for field in ("mu_codes", "nu_codes"):
         codes = {k.rsplit("[", 1)[1]: v for k, v in specs.items() if f".{field}[" in k}
         assert codes["'q_proj']"] == ["float8_e4m3fn", [64, 64], ["fsdp", None]]
