@@ -582,6 +582,16 @@ ABBREV_7B_UNFUSED = {
     "bf16:unrolled:none": "BF16",
 }
 CODES_BARRIER = {**ABBREV_7B, "+fp8_codes_barrier=true": ""}
+# The same memory options under their sectioned config keys, and the row-wise producers' kernels.
+O_7B_SECTIONED = (
+    "optimizer.in_backward=true+optimizer.grad_clip=null+precision.fp8_attention=true"
+    "+memory.loss_chunk_size=2048+precision.fp8_group_scale=e8m0"
+    "+precision.fp8_weight_residual=master+precision.fp8_swiglu=fused"
+)
+ABBREV_ROWWISE = {
+    f"coat:scan:activations:{O_7B_SECTIONED}": "COAT `$O`",
+    "+kernels.rmsnorm_rowwise=pallas+kernels.swiglu_rowwise=pallas": " + Pallas producers",
+}
 
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "accuracy": accuracy_page,
@@ -649,6 +659,8 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_rowwise/block_xla_row_gw_hp": layer_page("fp8_rowwise", "block_xla_row_gw_hp.jsonl"),
     "fp8_rowwise/block_pallas": layer_page("fp8_rowwise", "block_pallas.jsonl"),
     "fp8_rowwise/sizes_350M": sizes_page("350M", "fp8_rowwise/sizes_350M.jsonl"),
+    "fp8_rowwise/7b_h100": calls_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
+    "fp8_rowwise/7b_h100_split": split_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
 
