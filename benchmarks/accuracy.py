@@ -13,6 +13,8 @@ Each mode trains the same model on the same data in the same order (the trainer'
   coat_xla      precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla (the trainer's default)
   coat_swiglu   precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla precision.fp8_swiglu=fused
   coat_rounded  precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla xla.excess_precision=false
+  coat_row, coat_row_gw_hp, coat_block   coat_rounded with precision.fp8_linear_scaling=row,
+                row_gw_hp or block (and precision.fp8_weight_residual=master)
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
 or the non-linear ops. The modes with FP8 activation ops other than coat_xla and coat_swiglu pin
@@ -144,6 +146,21 @@ MODES = {
         "kernels.fp8_ops=xla",
         "xla.excess_precision=false",
     ],
+    # Finer scales for the linears' FP8 operands (FP8Config.linear_scaling), which re-quantize
+    # the master weights in each linear: per token and per output channel; the same with the
+    # weight gradient in BF16; 1x128 activation tiles and 128x128 weight blocks. Otherwise as
+    # coat_rounded.
+    **{
+        f"coat_{name}": [
+            "precision.mode=coat",
+            "optimizer.name=coat_adamw",
+            "precision.fp8_weight_residual=master",
+            f"precision.fp8_linear_scaling={scaling}",
+            "kernels.fp8_ops=xla",
+            "xla.excess_precision=false",
+        ]
+        for name, scaling in (("row", "row"), ("row_gw_hp", "row_gw_hp"), ("block", "block"))
+    },
 }
 MODE_TITLES = {
     "bf16": "BF16 + AdamW",
@@ -158,6 +175,9 @@ MODE_TITLES = {
     "coat_rounded": "COAT + coat_adamw, XLA fusions, no excess precision",
     "coat_fp8attn": "COAT + coat_adamw, as coat_rounded, FP8 attention (forward re-run in backward)",
     "coat_fp8attn_saved": "COAT + coat_adamw, as coat_rounded, FP8 attention (saved output, no re-run)",
+    "coat_row": "COAT + coat_adamw, row-wise scaled linears",
+    "coat_row_gw_hp": "COAT + coat_adamw, row-wise scaled linears, BF16 weight gradient",
+    "coat_block": "COAT + coat_adamw, block-wise scaled linears",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.
