@@ -21,14 +21,14 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from coat_jax.training.data.sources import read_source, source_digest
+from coat_jax.training.data.sources import TextFile, read_source, source_digest
 from coat_jax.training.data.tokenizer import Tokenizer
 
 CACHE_FORMAT = 2
@@ -145,7 +145,8 @@ Piece = tuple[np.ndarray, "np.ndarray | None"]
 
 def _encode(tokenizer: Tokenizer, documents) -> list[Iterable[Piece]]:
     """Each document's pieces, its end-of-sequence id last; a chat's EOS is no target (the
-    template's end of turn is the assistant's)."""
+    template's end of turn is the assistant's). A :class:`TextFile` is read and encoded a piece
+    at a time as its pieces are taken."""
     texts = [doc for _, doc, _ in documents if isinstance(doc, str)]
     encoded = iter(tokenizer.encode_many(texts))
     eos = np.asarray([tokenizer.eos_id])
@@ -153,10 +154,18 @@ def _encode(tokenizer: Tokenizer, documents) -> list[Iterable[Piece]]:
     for name, doc, _ in documents:
         if isinstance(doc, str):
             out.append([(next(encoded), None), (eos, None)])
+        elif isinstance(doc, TextFile):
+            out.append(_text_file_pieces(tokenizer, doc, eos))
         else:
             ids, assistant = tokenizer.encode_chat(doc, repr(name))
             out.append([(ids, assistant), (eos, np.zeros(1, dtype=bool))])
     return out
+
+
+def _text_file_pieces(tokenizer: Tokenizer, doc: TextFile, eos: np.ndarray) -> Iterator[Piece]:
+    for ids in tokenizer.encode_pieces(doc.pieces()):
+        yield ids, None
+    yield eos, None
 
 
 def _is_held_out_record(index: int, val_fraction: float) -> bool:
