@@ -1,6 +1,13 @@
-"""Large sources: a large text file streams, in pieces, to the tokens it gave read whole."""
+"""Large sources: a large text file streams, in pieces, to the tokens it gave read whole, and
+tokenizing a large corpus keeps the process's peak memory bounded."""
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +22,7 @@ from coat_jax.training.data import (
 from coat_jax.training.data import cache as cache_module
 from coat_jax.training.data import sources as sources_module
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # Characters of one to four UTF-8 bytes, so that piece edges cut some of them.
 TEXT = "".join(f"line {i}: héllo wörld € 𝄞 ok\n" for i in range(400))
 
@@ -92,3 +100,67 @@ def test_a_streamed_file_that_is_not_utf8_fails_as_read_whole(tmp_path, monkeypa
         assert list(cache.iterdir()) == []
         errors.append(str(err.value))
     assert errors[0] == errors[1]
+
+
+# The child process measures its peak resident memory while tokenizing, above what it holds
+# after its imports (VmHWM reset through /proc/self/clear_refs).
+RSS_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from coat_jax.training.data import make_tokenizer, tokenize_to_cache
+
+    def kib(key):
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith(key)))
+
+    tok = make_tokenizer("byte", None)
+    for name in sys.argv[2:]:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        baseline, started = kib("VmRSS:"), time.process_time()
+        files = tokenize_to_cache(f"{sys.argv[1]}/{name}", tok, f"{sys.argv[1]}/cache", 0.01)
+        cpu = time.process_time() - started
+        tokens = len(files.train) + len(files.val)
+        print(name, tokens, (kib("VmHWM:") - baseline) / 1024, cpu)
+    """
+)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="measures memory through Linux's /proc"
+)
+def test_tokenizing_a_200_mb_corpus_keeps_peak_rss_bounded(tmp_path):
+    """Tokenizing 200 MB of JSON Lines (200,000 records of 1,000 bytes) and an 80 MiB text file
+    with the byte tokenizer each raises the process's peak RSS at most 100 MB above what it
+    held after its imports (docs/data.md, "The token cache", has the measured peaks and
+    times): a chunk of documents, or a piece of the text file, at a time. Reading the text
+    file whole, or holding the JSON Lines corpus's tokens at once, would exceed the bound.
+    """
+    record = b'{"text": "' + b"x" * 987 + b'"}\n'
+    with open(tmp_path / "corpus.jsonl", "wb") as f:
+        for _ in range(200):
+            f.write(record * 1000)
+    with open(tmp_path / "corpus.txt", "wb") as f:
+        for _ in range(80):
+            f.write("héllo € 𝄞\n".encode() * (1 << 16))
+    text_bytes = (tmp_path / "corpus.txt").stat().st_size
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", RSS_CHILD, str(tmp_path), "corpus.jsonl", "corpus.txt"],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+    finally:
+        # pytest keeps recent runs' temporary folders: leave no corpus behind.
+        for path in tmp_path.iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert run.returncode == 0, run.stderr
+    measured = {}
+    for line in run.stdout.splitlines():
+        name, tokens, peak_mb, cpu_s = line.split()
+        measured[name] = (int(tokens), float(peak_mb), float(cpu_s))
+    assert measured["corpus.jsonl"][0] == 200_000 * (987 + 1)
+    assert measured["corpus.txt"][0] == text_bytes + 1
+    for name, (_, peak_mb, _) in measured.items():
+        assert peak_mb <= 100, (name, measured)
