@@ -44,6 +44,7 @@ import bench_e2e  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_sizes  # noqa: E402
+import derived  # noqa: E402
 import fp8_cast  # noqa: E402
 import fp8_tiles  # noqa: E402
 import kernel_sass  # noqa: E402
@@ -369,6 +370,14 @@ def _label(setting: str, abbrev: dict[str, str]) -> str:
     return setting
 
 
+def run_label(abbrev: dict[str, str], fields: tuple[str, ...] = ()) -> derived.Label:
+    """A run's label: its setting with ``abbrev``'s short forms (:func:`_label`), followed by
+    the record's ``fields`` that set it apart."""
+    return lambda r: (
+        _label(r["setting"], abbrev) + "".join(f", {f} {r[f]}" for f in fields if f in r)
+    )
+
+
 def _thousands(x: float) -> str:
     """``x`` truncated to an integer, with thousands separators."""
     return f"{int(x):,}"
@@ -385,6 +394,8 @@ def calls_table(
     ``calls`` and settings starting with one of ``only`` where given) with its device call,
     each setting written with ``abbrev``'s short forms and followed by the record's ``fields``
     that set it apart, figures truncated; temporaries from the compile record before the run."""
+
+    label = run_label(abbrev, fields)
 
     def render(link: Callable[[str], str]) -> str:
         tr = C.truncated
@@ -409,11 +420,8 @@ def calls_table(
                 if compiled.get("setting") == r["setting"]
                 else None
             )
-            setting = _label(r["setting"], abbrev) + "".join(
-                f", {f} {r[f]}" for f in fields if f in r
-            )
             lines.append(
-                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
+                f"| {r.get('device_call', '-')} | {label(r)} | {r['batch']} | "
                 f"{_thousands(r['tokens_per_s'])} | "
                 f"{'not recorded' if flight is None else _thousands(flight)} | "
                 f"{tr(step['median_s'] * 1e3, 2)} [{tr(step['min_s'] * 1e3, 2)}, "
@@ -444,6 +452,8 @@ def split_table(
     one step traced by ``jax.profiler``; only device ``calls`` where given), settings written
     as :func:`calls_table` writes them."""
 
+    label = run_label(abbrev, fields)
+
     def render(link: Callable[[str], str]) -> str:
         tr = C.truncated
         lines = [
@@ -456,12 +466,9 @@ def split_table(
             if r.get("kind") != "profile" or (calls and int(r.get("device_call", 0)) not in calls):
                 continue
             split = r["split"]
-            setting = _label(r["setting"], abbrev) + "".join(
-                f", {f} {r[f]}" for f in fields if f in r
-            )
             cells = [tr(split["categories"][key]["ms"], 2) for key, _ in SPLIT]
             lines.append(
-                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
+                f"| {r.get('device_call', '-')} | {label(r)} | {r['batch']} | "
                 f"{tr(split['wall_ms'], 2)} | " + " | ".join(cells) + " | "
                 f"{int(split['kernels_per_step'])} | {r['device'].removeprefix('gpu:')} | "
                 f"{r['jax']} | {r['date'][:10]} |"
@@ -628,6 +635,20 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_kernels/7b_options": calls_table("fp8_kernels/7b_options.jsonl", ABBREV_7B_UNFUSED),
     "fp8_kernels/7b_unrolled": calls_table("fp8_kernels/7b_unrolled.jsonl", {}),
     "fp8_kernels/76M": calls_table("fp8_kernels/76M.jsonl", {}),
+    "fp8_kernels/layer": records_table("fp8_kernels/layer.jsonl", derived.layer_split),
+    "excess_precision/layer": records_table("excess_precision/layer.jsonl", derived.layer_split),
+    "fp8_kernels/op_kernels_ratios": records_table(
+        "fp8_kernels/op_kernels.jsonl",
+        lambda rs: derived.largest_batch_ratios(rs, run_label(ABBREV_7B, ("variant",))),
+    ),
+    "largest_batch_split/ratios": records_table(
+        "largest_batch_split/e2e.jsonl",
+        lambda rs: derived.largest_batch_ratios(rs, run_label(ABBREV_7B, ("xla_flags",))),
+    ),
+    "largest_batch_split/per_token": records_table(
+        "largest_batch_split/e2e.jsonl",
+        lambda rs: derived.per_token_split(rs, run_label(ABBREV_7B), calls=(1,)),
+    ),
     "gemm_output/7b_unrolled": calls_table("gemm_output/7b_unrolled.jsonl", {}),
     "gemm_output/7b_largest": calls_table("gemm_output/7b_largest.jsonl", ABBREV_7B),
     "gemm_output/76M": calls_table("gemm_output/76M.jsonl", {}),

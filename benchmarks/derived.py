@@ -1,0 +1,147 @@
+"""Tables that benchmarks/render.py computes from records rather than copies from one: ratios
+between runs, per-token splits, a one-layer run's time split, bytes from parameter counts.
+
+Each function takes the records (``bench_e2e`` or ``bench_layer`` lines) and returns the
+table's markdown lines, every row with the device, JAX version and date of the records it comes
+from; figures are truncated, never rounded up (``_common.truncated``). render.py names the
+records and registers the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import _common as C
+import bench_layer
+
+# A run's label in a table: its setting as the page abbreviates it, plus the fields that set it
+# apart (render.py's ``_label``).
+Label = Callable[[dict], str]
+
+
+def _stamp(r: dict) -> str:
+    return f"{r['device'].removeprefix('gpu:')} | {r['jax']} | {r['date'][:10]}"
+
+
+def _runs(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("kind") == "run"]
+
+
+def largest_batch_ratios(records: list[dict], label: Label) -> list[str]:
+    """COAT's tokens/s over BF16's, each run against the BF16 run of the same device call with
+    the same ``xla_flags`` (each at the batch it ran: its largest in these records), host-
+    synchronised and with one step in flight."""
+    lines = [
+        "| device call | COAT setting | COAT batch | BF16 batch | COAT / BF16 (host waits) "
+        "| COAT / BF16 (one step in flight) | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = _runs(records)
+    for r in runs:
+        if r["mode"] == "bf16":
+            continue
+        bf16 = [
+            b
+            for b in runs
+            if b["mode"] == "bf16"
+            and b.get("device_call") == r.get("device_call")
+            and b.get("xla_flags") == r.get("xla_flags")
+        ]
+        if not bf16:
+            continue
+        if len(bf16) > 1:
+            raise ValueError(
+                f"{len(bf16)} BF16 runs to compare {r['setting']!r} with, expected one"
+            )
+        b = bf16[0]
+        lines.append(
+            f"| {r.get('device_call', '-')} | {label(r)} | {r['batch']} | {b['batch']} | "
+            f"{C.ratio(r['tokens_per_s'], b['tokens_per_s'])} | "
+            f"{C.ratio(r.get('tokens_per_s_pipelined'), b.get('tokens_per_s_pipelined'))} | "
+            f"{_stamp(r)} |"
+        )
+    return lines
+
+
+def per_token_split(records: list[dict], label: Label, calls: tuple[int, ...]) -> list[str]:
+    """Each traced step of device ``calls`` per token (batch x seq), microseconds: its GEMMs,
+    attention, the kernel time of everything else, and the untraced step (wall) time."""
+    lines = [
+        "| device call | setting | tokens per step | GEMMs | attention | everything else "
+        "| step | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r.get("kind") != "profile" or int(r.get("device_call", 0)) not in calls:
+            continue
+        tokens = r["batch"] * r["seq"]
+        ms = {k: v["ms"] for k, v in r["split"]["categories"].items()}
+        rest = sum(v for k, v in ms.items() if k not in ("gemm", "attention"))
+        us = [C.truncated(x * 1e3 / tokens, 2) for x in (ms["gemm"], ms["attention"], rest)]
+        us.append(C.truncated(r["split"]["wall_ms"] * 1e3 / tokens, 2))
+        lines.append(
+            f"| {r['device_call']} | {label(r)} | {tokens:,} | {' | '.join(us)} | {_stamp(r)} |"
+        )
+    return lines
+
+
+def layer_split(records: list[dict]) -> list[str]:
+    """One decoder layer per ``bench_layer`` run: fwd+bwd and the layer step (median [min, max])
+    with its speed against BF16's of the same run, kernel launches, and the layer step's kernel
+    time per category (``bench_layer.SPLIT_CATEGORIES``) with the gaps (untraced wall minus the
+    time some kernel ran). A run's ``--set-all`` options (every mode) are in its first column."""
+    titles = " | ".join(f"{t} ms" for t in bench_layer.SPLIT_CATEGORIES.values())
+    lines = [
+        "| `--set-all` | batch | mode | fwd+bwd ms | layer step ms, median [min, max] "
+        f"| step vs bf16 | kernels fwd+bwd / step | {titles} | gaps ms | device | JAX | date |",
+        "|" + "---|" * (len(bench_layer.SPLIT_CATEGORIES) + 11),
+    ]
+    run = lambda r: (r["batch"], tuple(r.get("set_all", [])))
+    steps = [r for r in records if r["kind"] == "layer_step"]
+    bf16 = {run(r): r for r in steps if r["mode"] == "bf16"}
+    tr = C.truncated
+    for s in sorted(steps, key=lambda r: (r.get("set_all", []), r["batch"])):
+        fwd = next(
+            r
+            for r in records
+            if r["kind"] == "layer"
+            and run(r) == run(s)
+            and bench_layer.variant_of(r) == bench_layer.variant_of(s)
+        )
+        t, split = s["time"], s["split"]
+        base = bf16.get(run(s))
+        cells = " | ".join(
+            tr(split["categories"][c]["ms"], 2) for c in bench_layer.SPLIT_CATEGORIES
+        )
+        lines.append(
+            f"| {', '.join(s.get('set_all', [])) or 'none'} | {s['batch']} | "
+            f"{bench_layer.variant_of(s)} | {tr(fwd['time']['median_s'] * 1e3, 2)} | "
+            f"{tr(t['median_s'] * 1e3, 2)} [{tr(t['min_s'] * 1e3, 2)}, "
+            f"{tr(t['max_s'] * 1e3, 2)}] | "
+            f"{C.ratio(base['time']['median_s'], t['median_s']) if base else 'n/a'} | "
+            f"{fwd['kernels']['total']} / {s['kernels']['total']} | {cells} | "
+            f"{tr(split['wall_ms'] - split['busy_ms'], 2)} | {_stamp(s)} |"
+        )
+    return lines
+
+
+def state_bytes_table(records: list[dict]) -> list[str]:
+    """Optimizer state bytes per parameter, float32 and FP8 state (``fp8_state_accuracy.py
+    --state-bytes`` records), their ratio and how many leaves FP8 stores quantized."""
+    lines = [
+        "| optimizer | float32 state | FP8 state | ratio | FP8 leaves | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by = {(r["optimizer"], r["fp8_state"]): r for r in records if r["kind"] == "state_bytes"}
+    for opt in dict.fromkeys(o for o, _ in by):
+        f32, fp8 = by.get((opt, False)), by[(opt, True)]
+        per = lambda r: r["state_bytes"] / r["n_params"]
+        cells = [
+            C.truncated(per(f32), 4) if f32 else "",
+            C.truncated(per(fp8), 4),
+            C.ratio(per(f32), per(fp8)) if f32 else "",
+            "" if fp8["fp8_leaves"] is None else str(fp8["fp8_leaves"]),
+        ]
+        label = opt if f32 else f"{opt} (fused)"
+        lines.append(f"| {label} | {' | '.join(cells)} | {_stamp(fp8)} |")
+    return lines
