@@ -145,3 +145,22 @@ def state_bytes_table(records: list[dict]) -> list[str]:
         label = opt if f32 else f"{opt} (fused)"
         lines.append(f"| {label} | {' | '.join(cells)} | {_stamp(fp8)} |")
     return lines
+
+
+def master_bytes(models: list[tuple[str, dict]]) -> list[str]:
+    """Weights (and a whole gradient tree) in float32 and in bf16 masters: 4 and 2 bytes per
+    parameter, for each ``(model, record)`` whose record counted the model's parameters
+    (``n_params`` of a ``bench_e2e`` setup record)."""
+    lines = [
+        "| model | parameters | float32 masters | bf16 masters | saved in weights "
+        "| saved in a whole gradient tree | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, r in models:
+        n = r["n_params"]
+        f32, bf16 = C.gib(4 * n), C.gib(2 * n)
+        lines.append(
+            f"| {model} | {C.truncated(n / 1e9, 3)} B | {f32} GiB | {bf16} GiB | {bf16} GiB "
+            f"| {bf16} GiB | {_stamp(r)} |"
+        )
+    return lines

@@ -378,6 +378,11 @@ def run_label(abbrev: dict[str, str], fields: tuple[str, ...] = ()) -> derived.L
     )
 
 
+def _setup(rel: str) -> dict:
+    """The first ``bench_e2e`` setup record of ``rel`` that counted the model's parameters."""
+    return next(r for r in _records(rel) if r.get("kind") == "setup" and "n_params" in r)
+
+
 def _thousands(x: float) -> str:
     """``x`` truncated to an integer, with thousands separators."""
     return f"{int(x):,}"
@@ -620,6 +625,17 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "e2e_fused_apply/calls": calls_table("e2e_fused_apply/e2e.jsonl", {}),
     "e2e_group_scale/calls": calls_table("e2e_group_scale/e2e.jsonl", {}),
     "fused_swiglu/7b_largest": calls_table("fused_swiglu/7b_largest.jsonl", ABBREV_7B_UNFUSED),
+    "memory_options/master_bytes": lambda link: (
+        "\n".join(
+            derived.master_bytes(
+                [
+                    ("Llama-2-7B", _setup("e2e/e2e.jsonl")),
+                    ("Llama-3-8B", _setup("e2e_llama3_8b/e2e.jsonl")),
+                ]
+            )
+        )
+        + "\n"
+    ),
     "memory_options/e2e": calls_table("e2e/e2e.jsonl", {}, only=("coat:scan:activations",)),
     "memory_options/once": calls_table("e2e_once/e2e.jsonl", {}, only=("coat:scan:activations",)),
     "memory_options/in_backward": calls_table("e2e_in_backward/e2e.jsonl", {}, only=("coat",)),
