@@ -27,36 +27,44 @@ def _runs(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("kind") == "run"]
 
 
-def largest_batch_ratios(records: list[dict], label: Label) -> list[str]:
-    """COAT's tokens/s over BF16's, each run against the BF16 run of the same device call with
-    the same ``xla_flags`` (each at the batch it ran: its largest in these records), host-
-    synchronised and with one step in flight."""
+def coat_over_bf16(
+    records: list[dict], label: Label, pair: str = "call", bf16_setting: str | None = None
+) -> list[str]:
+    """COAT's tokens/s over BF16's, host-synchronised and with one step in flight. Each COAT run
+    is paired with one BF16 run (of setting ``bf16_setting`` where given): ``pair="call"``, the
+    one of the same device call with the same ``xla_flags``; ``"batch"``, the one at the same
+    batch; ``"largest"``, each at its largest batch in the records (COAT runs below their
+    setting's largest batch are left out)."""
     lines = [
-        "| device call | COAT setting | COAT batch | BF16 batch | COAT / BF16 (host waits) "
-        "| COAT / BF16 (one step in flight) | device | JAX | date |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| device call | COAT setting | COAT batch | BF16 setting | BF16 batch "
+        "| COAT / BF16 (host waits) | COAT / BF16 (one step in flight) | device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     runs = _runs(records)
+    bf16 = [b for b in runs if b["mode"] == "bf16" and bf16_setting in (None, b["setting"])]
+    keys = {
+        "call": lambda x: (x.get("device_call"), x.get("xla_flags")),
+        "batch": lambda x: x["batch"],
+        "largest": lambda x: max(y["batch"] for y in runs if y["setting"] == x["setting"]),
+    }
+    if pair not in keys:
+        raise ValueError(f"pair={pair!r}; expected one of {list(keys)}")
+    key = keys[pair]
     for r in runs:
-        if r["mode"] == "bf16":
+        if r["mode"] == "bf16" or (pair == "largest" and r["batch"] != key(r)):
             continue
-        bf16 = [
-            b
-            for b in runs
-            if b["mode"] == "bf16"
-            and b.get("device_call") == r.get("device_call")
-            and b.get("xla_flags") == r.get("xla_flags")
-        ]
-        if not bf16:
+        if pair == "largest":
+            found = [b for b in bf16 if b["batch"] == key(b)]
+        else:
+            found = [b for b in bf16 if key(b) == key(r)]
+        if not found:
             continue
-        if len(bf16) > 1:
-            raise ValueError(
-                f"{len(bf16)} BF16 runs to compare {r['setting']!r} with, expected one"
-            )
-        b = bf16[0]
+        if len(found) > 1:
+            raise ValueError(f"{len(found)} BF16 runs pair with {r['setting']!r}, expected one")
+        b = found[0]
         lines.append(
-            f"| {r.get('device_call', '-')} | {label(r)} | {r['batch']} | {b['batch']} | "
-            f"{C.ratio(r['tokens_per_s'], b['tokens_per_s'])} | "
+            f"| {r.get('device_call', '-')} | {label(r)} | {r['batch']} | {label(b)} | "
+            f"{b['batch']} | {C.ratio(r['tokens_per_s'], b['tokens_per_s'])} | "
             f"{C.ratio(r.get('tokens_per_s_pipelined'), b.get('tokens_per_s_pipelined'))} | "
             f"{_stamp(r)} |"
         )
@@ -89,13 +97,21 @@ def layer_split(records: list[dict]) -> list[str]:
     """One decoder layer per ``bench_layer`` run: fwd+bwd and the layer step (median [min, max])
     with its speed against BF16's of the same run, kernel launches, and the layer step's kernel
     time per category (``bench_layer.SPLIT_CATEGORIES``) with the gaps (untraced wall minus the
-    time some kernel ran). A run's ``--set-all`` options (every mode) are in its first column."""
+    time some kernel ran), and the kernel time outside GEMMs, attention, the optimizer and
+    copies (the non-linear ops, their quantization, residual adds, casts) against BF16's. A
+    run's ``--set-all`` options (every mode) are in its first column."""
     titles = " | ".join(f"{t} ms" for t in bench_layer.SPLIT_CATEGORIES.values())
     lines = [
         "| `--set-all` | batch | mode | fwd+bwd ms | layer step ms, median [min, max] "
-        f"| step vs bf16 | kernels fwd+bwd / step | {titles} | gaps ms | device | JAX | date |",
-        "|" + "---|" * (len(bench_layer.SPLIT_CATEGORIES) + 11),
+        f"| step vs bf16 | kernels fwd+bwd / step | {titles} | gaps ms "
+        "| outside GEMMs, attention, optimizer, copies: ms (vs bf16) | device | JAX | date |",
+        "|" + "---|" * (len(bench_layer.SPLIT_CATEGORIES) + 12),
     ]
+    rest = lambda r: sum(
+        v["ms"]
+        for k, v in r["split"]["categories"].items()
+        if k not in ("gemm", "attention", "optimizer", "memcpy")
+    )
     run = lambda r: (r["batch"], tuple(r.get("set_all", [])))
     steps = [r for r in records if r["kind"] == "layer_step"]
     bf16 = {run(r): r for r in steps if r["mode"] == "bf16"}
@@ -120,7 +136,8 @@ def layer_split(records: list[dict]) -> list[str]:
             f"{tr(t['max_s'] * 1e3, 2)}] | "
             f"{C.ratio(base['time']['median_s'], t['median_s']) if base else 'n/a'} | "
             f"{fwd['kernels']['total']} / {s['kernels']['total']} | {cells} | "
-            f"{tr(split['wall_ms'] - split['busy_ms'], 2)} | {_stamp(s)} |"
+            f"{tr(split['wall_ms'] - split['busy_ms'], 2)} | {tr(rest(s), 2)} "
+            f"({C.ratio(rest(s), rest(base)) if base else 'n/a'}) | {_stamp(s)} |"
         )
     return lines
 

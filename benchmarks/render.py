@@ -647,6 +647,14 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "excess_precision/7b_b1": calls_table("excess_precision/7b_b1.jsonl", {}),
     "excess_precision/7b_largest": calls_table("excess_precision/7b_largest.jsonl", ABBREV_7B),
     "excess_precision/76M": calls_table("excess_precision/76M.jsonl", {}),
+    "excess_precision/7b_b1_ratios": records_table(
+        "excess_precision/7b_b1.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch", "bf16:unrolled:none"),
+    ),
+    "excess_precision/7b_largest_ratios": records_table(
+        "excess_precision/7b_largest.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B), "largest"),
+    ),
     "fp8_kernels/7b_scan": calls_table("fp8_kernels/7b_scan.jsonl", {}),
     "fp8_kernels/7b_options": calls_table("fp8_kernels/7b_options.jsonl", ABBREV_7B_UNFUSED),
     "fp8_kernels/7b_unrolled": calls_table("fp8_kernels/7b_unrolled.jsonl", {}),
@@ -655,11 +663,11 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "excess_precision/layer": records_table("excess_precision/layer.jsonl", derived.layer_split),
     "fp8_kernels/op_kernels_ratios": records_table(
         "fp8_kernels/op_kernels.jsonl",
-        lambda rs: derived.largest_batch_ratios(rs, run_label(ABBREV_7B, ("variant",))),
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B, ("variant",))),
     ),
     "largest_batch_split/ratios": records_table(
         "largest_batch_split/e2e.jsonl",
-        lambda rs: derived.largest_batch_ratios(rs, run_label(ABBREV_7B, ("xla_flags",))),
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B, ("xla_flags",))),
     ),
     "largest_batch_split/per_token": records_table(
         "largest_batch_split/e2e.jsonl",
