@@ -181,3 +181,41 @@ def master_bytes(models: list[tuple[str, dict]]) -> list[str]:
             f"| {bf16} GiB | {_stamp(r)} |"
         )
     return lines
+
+
+def speed_target(records: list[dict], target: float, call: int) -> list[str]:
+    """What COAT/BF16 = ``target`` at the largest batch would take, from device ``call``'s COAT
+    and BF16 runs (one of each) and their traced splits: the step time per token to reach, and
+    the share of COAT's per-token excess outside GEMMs and attention (kernel time) it must lose."""
+    runs = {r["mode"]: r for r in _runs(records) if int(r.get("device_call", 0)) == call}
+    splits = {
+        r["mode"]: r
+        for r in records
+        if r.get("kind") == "profile" and int(r.get("device_call", 0)) == call
+    }
+    coat, bf16 = runs["coat"], runs["bf16"]
+    tokens = lambda r: r["batch"] * r["seq"]
+    us_now = coat["step"]["median_s"] * 1e6 / tokens(coat)
+    goal = target * bf16["tokens_per_s"]
+    lose = us_now - 1e6 / goal
+    rest = {
+        m: sum(
+            v["ms"] for k, v in r["split"]["categories"].items() if k not in ("gemm", "attention")
+        )
+        * 1e3
+        / tokens(r)
+        for m, r in splits.items()
+    }
+    excess = rest["coat"] - rest["bf16"]
+    tr = C.truncated
+    return [
+        f"- {target}x BF16's {int(bf16['tokens_per_s']):,} tokens/s is {int(goal):,}, i.e. "
+        f"{tr(1e6 / goal, 2)} us per token: COAT's step would have to lose {tr(lose, 2)} us per "
+        f"token ({tr(lose * tokens(coat) / 1e3, 1)} ms of its "
+        f"{tr(coat['step']['median_s'] * 1e3, 2)} at batch {coat['batch']}, "
+        f"{tr(100 * lose / us_now, 1)}%). Everything outside GEMMs and attention costs COAT "
+        f"{tr(excess, 2)} us per token more than BF16 ({tr(rest['coat'], 2)} against "
+        f"{tr(rest['bf16'], 2)}): the target needs {tr(100 * lose / excess, 0)}% of that excess "
+        f"gone ({coat['device'].removeprefix('gpu:')}, JAX {coat['jax']}, {coat['date'][:10]}, "
+        f"device call {call})."
+    ]

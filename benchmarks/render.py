@@ -669,6 +669,9 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
         "largest_batch_split/e2e.jsonl",
         lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B, ("xla_flags",))),
     ),
+    "largest_batch_split/target": records_table(
+        "largest_batch_split/e2e.jsonl", lambda rs: derived.speed_target(rs, 1.6, call=1)
+    ),
     "largest_batch_split/per_token": records_table(
         "largest_batch_split/e2e.jsonl",
         lambda rs: derived.per_token_split(rs, run_label(ABBREV_7B), calls=(1,)),
