@@ -9,6 +9,7 @@ records and registers the blocks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import _common as C
@@ -219,3 +220,37 @@ def speed_target(records: list[dict], target: float, call: int) -> list[str]:
         f"gone ({coat['device'].removeprefix('gpu:')}, JAX {coat['jax']}, {coat['date'][:10]}, "
         f"device call {call})."
     ]
+
+
+def pallas_over_xla(records: list[dict], label: Label) -> list[str]:
+    """The FP8 activation ops' Pallas kernels against XLA's fusions: each pair of runs of one
+    device call and batch whose settings differ only in ``fp8_kernels`` (the implementation
+    each ran, ``fp8_ops_implementation``: ``pallas`` or ``auto`` against ``xla``), tokens/s
+    over tokens/s, and whether their step ranges [min, max] are apart; an XLA run with more
+    than one Pallas partner gets a row for each."""
+    lines = [
+        "| device call | XLA's fusions | batch | tokens per step | Pallas kernels "
+        "| Pallas / XLA (host waits) | Pallas / XLA (one step in flight) | step ranges "
+        "| device | JAX | date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = lambda r: re.sub(r"[+:]fp8_kernels=\w+", "", r["setting"])
+    key = lambda r: (r.get("device_call"), r["batch"], base(r))
+    runs = [r for r in _runs(records) if r.get("fp8_ops_implementation")]
+    for x in runs:
+        if x["fp8_ops_implementation"] != "xla":
+            continue
+        for p in [p for p in runs if key(p) == key(x) and p["fp8_ops_implementation"] != "xla"]:
+            lines.append(_pallas_row(x, p, label))
+    return lines
+
+
+def _pallas_row(x: dict, p: dict, label: Label) -> str:
+    apart = p["step"]["max_s"] < x["step"]["min_s"] or x["step"]["max_s"] < p["step"]["min_s"]
+    return (
+        f"| {x.get('device_call', '-')} | {label(x)} | {x['batch']} | "
+        f"{x['batch'] * x['seq']:,} | {label(p)} ({p['fp8_ops_implementation']}) | "
+        f"{C.ratio(p['tokens_per_s'], x['tokens_per_s'])} | "
+        f"{C.ratio(p.get('tokens_per_s_pipelined'), x.get('tokens_per_s_pipelined'))} | "
+        f"{'apart' if apart else 'overlap'} | {_stamp(x)} |"
+    )

@@ -661,6 +661,27 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_kernels/76M": calls_table("fp8_kernels/76M.jsonl", {}),
     "fp8_kernels/layer": records_table("fp8_kernels/layer.jsonl", derived.layer_split),
     "excess_precision/layer": records_table("excess_precision/layer.jsonl", derived.layer_split),
+    "fp8_kernels/rule_ratios": records_table(
+        "fp8_kernels/rule.jsonl", lambda rs: derived.pallas_over_xla(rs, run_label(ABBREV_7B))
+    ),
+    "fp8_kernels/op_kernels_b1_ratios": records_table(
+        "fp8_kernels/op_kernels.jsonl",
+        lambda rs: derived.pallas_over_xla(rs, run_label(ABBREV_7B, ("variant",))),
+    ),
+    "fp8_kernels/op_kernels_split": split_table(
+        "fp8_kernels/op_kernels.jsonl", ABBREV_7B, calls=(4,), fields=("variant",)
+    ),
+    "fp8_kernels/7b_unrolled_ratios": records_table(
+        "fp8_kernels/7b_unrolled.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch"),
+    ),
+    "fp8_kernels/7b_options_ratios": records_table(
+        "fp8_kernels/7b_options.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B_UNFUSED), "largest"),
+    ),
+    "fp8_kernels/76M_ratios": records_table(
+        "fp8_kernels/76M.jsonl", lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch")
+    ),
     "fp8_kernels/op_kernels_ratios": records_table(
         "fp8_kernels/op_kernels.jsonl",
         lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B, ("variant",))),
