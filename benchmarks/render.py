@@ -679,6 +679,9 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
         "fp8_kernels/7b_options.jsonl",
         lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B_UNFUSED), "largest"),
     ),
+    "fp8_state/state_bytes": records_table(
+        "fp8_state/state_bytes.jsonl", derived.state_bytes_table
+    ),
     "fp8_kernels/76M_ratios": records_table(
         "fp8_kernels/76M.jsonl", lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch")
     ),
