@@ -603,6 +603,16 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
     "attention_backward/calls": calls_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
+    "attention_backward/ratios": records_table(
+        "attention_backward/e2e.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ATTENTION_BACKWARD)),
+    ),
+    "codes_barrier/ratios": records_table(
+        "codes_barrier/e2e.jsonl",
+        lambda rs: derived.coat_over_bf16(
+            rs, run_label(CODES_BARRIER, ("codes_barrier", "residual_stacks"))
+        ),
+    ),
     "attention_backward/split": split_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
     "codes_barrier/calls": calls_table(
         "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(1,), fields=("codes_barrier",)
