@@ -602,6 +602,7 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     ),
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
+    "fp8_tiles/e2e": calls_table("fp8_tiles/e2e.jsonl", ABBREV_7B, fields=("tiles_run",)),
     "attention_backward/calls": calls_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
     "attention_backward/ratios": records_table(
         "attention_backward/e2e.jsonl",
