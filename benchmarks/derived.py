@@ -34,7 +34,7 @@ def coat_over_bf16(
     """COAT's tokens/s over BF16's, host-synchronised and with one step in flight. Each COAT run
     is paired with one BF16 run (of setting ``bf16_setting`` where given): ``pair="call"``, the
     one of the same device call with the same ``xla_flags``; ``"batch"``, the one at the same
-    batch; ``"largest"``, each at its largest batch in the records (COAT runs below their
+    batch and model (the setting's ``model.*`` overrides); ``"largest"``, each at its largest batch in the records (COAT runs below their
     setting's largest batch are left out)."""
     lines = [
         "| device call | COAT setting | COAT batch | BF16 setting | BF16 batch "
@@ -45,7 +45,11 @@ def coat_over_bf16(
     bf16 = [b for b in runs if b["mode"] == "bf16" and bf16_setting in (None, b["setting"])]
     keys = {
         "call": lambda x: (x.get("device_call"), x.get("xla_flags")),
-        "batch": lambda x: x["batch"],
+        "batch": lambda x: (
+            (x["batch"], x["setting"][x["setting"].find("model.") :])
+            if "model." in x["setting"]
+            else (x["batch"], "")
+        ),
         "largest": lambda x: max(y["batch"] for y in runs if y["setting"] == x["setting"]),
     }
     if pair not in keys:

@@ -716,6 +716,19 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "gemm_output/76M": calls_table("gemm_output/76M.jsonl", {}),
     "gemm_output/sizes_float32_output": calls_table("gemm_output/sizes_float32_output.jsonl", {}),
     "gemm_output/sizes_350M": calls_table("gemm_output/sizes_350M.jsonl", {}),
+    **{
+        f"gemm_output/{name}_ratios": records_table(
+            f"gemm_output/{name}.jsonl",
+            lambda rs, pair=pair: derived.coat_over_bf16(rs, run_label(ABBREV_7B), pair),
+        )
+        for name, pair in (
+            ("7b_unrolled", "batch"),
+            ("7b_largest", "largest"),
+            ("76M", "batch"),
+            ("sizes_float32_output", "batch"),
+            ("sizes_350M", "batch"),
+        )
+    },
     "fp8_kernels/op_kernels": calls_table(
         "fp8_kernels/op_kernels.jsonl", ABBREV_7B, fields=("variant",)
     ),
