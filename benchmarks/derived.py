@@ -9,6 +9,7 @@ records and registers the blocks.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 
@@ -258,3 +259,39 @@ def _pallas_row(x: dict, p: dict, label: Label) -> str:
         f"{C.ratio(p.get('tokens_per_s_pipelined'), x.get('tokens_per_s_pipelined'))} | "
         f"{'apart' if apart else 'overlap'} | {_stamp(x)} |"
     )
+
+
+def _cell(table: dict, prefix: str) -> float:
+    """The first number of the second cell of ``table``'s row whose first cell starts with
+    ``prefix`` (a transcribed table's cells are text)."""
+    row = next(r for r in table["rows"] if r[0].startswith(prefix))
+    return float(row[1].split()[0])
+
+
+def save_cost(warmed: dict, first: dict, bench: dict, within: float = 0.05) -> list[str]:
+    """What a checkpoint every N steps costs at batch 1, from ``train.py``'s step times around a
+    save (``warmed``, ``first``: transcribed ``reliability`` tables) and ``bench_checkpoint.py``'s
+    record (``bench``: its first save's write time, its second save's blocking time): the
+    smallest N that keeps the cost within ``within`` of the step time."""
+    step = _cell(warmed, "61 to 249")
+    blocked = _cell(warmed, "251") - step
+    written = _cell(warmed, "252 to 269")
+    save1 = bench["saves"][0]
+    write_s = save1["steps_during"] * save1["step_during_s"] + save1["wait_after_s"]
+    drag = (written - step) * write_s / written
+    n = lambda cost, step_s: math.ceil(cost / (within * step_s))
+    first_blocked, first_step = _cell(first, "21"), _cell(first, "6 to 19")
+    tr = C.truncated
+    pct = f"{within:.0%}"
+    return [
+        f"- Before the warm-up (the first table) a save blocked the loop for {first_blocked} s, "
+        f"so a checkpoint every N steps stayed within {pct} of the step time only from N = "
+        f"{n(first_blocked, first_step)}.",
+        f"- Cost of a save every N steps at batch 1 now: {tr(blocked, 3)} s blocked (the save "
+        f"step less the median step) plus the background write's drag ({tr(written - step, 4)} "
+        f"s per step for the {tr(write_s, 1)} s the benchmark's first save took to write: "
+        f"{tr(drag, 2)} s), {tr(blocked + drag, 2)} s per save, so **within {pct} of the step time "
+        f"for N of at least {n(blocked + drag, step)}**; with the benchmark's second save "
+        f"blocking {bench['saves'][1]['blocking_s']} s, N of at least "
+        f"{n(bench['saves'][1]['blocking_s'] + drag, step)}.",
+    ]

@@ -555,16 +555,21 @@ def checkpoint_parts(link: Callable[[str], str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _table(rel: str, name: str) -> dict:
+    """The one ``"kind": "table"`` record named ``name`` in ``rel``."""
+    found = [r for r in _records(rel) if r.get("kind") == "table" and r["table"] == name]
+    if len(found) != 1:
+        raise ValueError(f"{rel}: {len(found)} tables named {name!r}, expected one")
+    return found[0]
+
+
 def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
     """The table ``name`` of ``rel``: a ``"kind": "table"`` record holds a table whose run left
     no raw records, its cells as first published (``columns``, ``rows``), beside the run's
     device, JAX version, date, command and commit; those come out as the last columns."""
 
     def render(link: Callable[[str], str]) -> str:
-        found = [r for r in _records(rel) if r.get("kind") == "table" and r["table"] == name]
-        if len(found) != 1:
-            raise ValueError(f"{rel}: {len(found)} tables named {name!r}, expected one")
-        t = found[0]
+        t = _table(rel, name)
         columns = t["columns"] + ["device", "JAX", "date"]
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         stamp = [t["device"] or "not recorded", t["jax"] or "not recorded"]
@@ -733,6 +738,16 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
         "fp8_kernels/op_kernels.jsonl", ABBREV_7B, fields=("variant",)
     ),
     "checkpoint": checkpoint_parts,
+    "reliability/save_cost": lambda link: (
+        "\n".join(
+            derived.save_cost(
+                _table("reliability/tables.jsonl", "warmed_saves"),
+                _table("reliability/tables.jsonl", "first_saves"),
+                _records("checkpoint/checkpoint.jsonl")[-1],
+            )
+        )
+        + "\n"
+    ),
     "headline": headline,
     "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
