@@ -17,7 +17,9 @@ Each block reuses its benchmark's own report code (``bench_layer.write_docs``,
 benchmark wrote it after a run or this script renders it from the committed records. Beside
 those, one renderer per kind of table: ``calls_table`` and ``split_table`` for any
 ``bench_e2e`` records (runs by device call, traced time splits), ``bench_optimizer.table`` for
-the optimizer records, and ``transcribed`` for a table whose run left no raw records: a
+the optimizer records, ``derived``'s for a table or sentence computed from records (ratios
+between runs, per-token and one-layer splits, bytes from parameter counts), and
+``transcribed`` for a table whose run left no raw records: a
 ``{"kind": "table", "table": NAME, "columns": [...], "rows": [[...]], ...}`` line of
 ``<benchmark>/tables.jsonl`` keeps its cells as first published with the device, JAX version,
 date, command and commit (null where unknown), and renders as block ``<benchmark>/NAME``.
