@@ -355,15 +355,15 @@ def test_tiny_run_on_the_cpu(tmp_path):
 
 def test_variant_names_the_fp8_kernels_only_where_set():
     r = {"mode": "coat", "weight_residual": "once"}
-    assert B._variant(r) == "coat/once"
-    assert B._variant({**r, "fp8_kernels": "default"}) == "coat/once"
-    assert B._variant({**r, "fp8_kernels": "xla"}) == "coat/once/xla"
-    assert B._variant({"mode": "bf16", "fp8_kernels": "default"}) == "bf16"
+    assert B.variant_of(r) == "coat/once"
+    assert B.variant_of({**r, "fp8_kernels": "default"}) == "coat/once"
+    assert B.variant_of({**r, "fp8_kernels": "xla"}) == "coat/once/xla"
+    assert B.variant_of({"mode": "bf16", "fp8_kernels": "default"}) == "bf16"
     # What the option resolved to, where recorded, names the variant.
     resolved = {**r, "fp8_kernels": "default", "fp8_ops_implementation": "xla"}
-    assert B._variant(resolved) == "coat/once/xla"
+    assert B.variant_of(resolved) == "coat/once/xla"
     resolved = {**r, "fp8_kernels": "pallas", "fp8_ops_implementation": "pallas"}
-    assert B._variant(resolved) == "coat/once/pallas"
+    assert B.variant_of(resolved) == "coat/once/pallas"
     with pytest.raises(ValueError, match="--fp8-kernels must be"):
         B.main(["--tiny", "--fp8-kernels", "triton", "--out-dir", "unused"])
     with pytest.raises(ValueError, match="--top-kernels must be >= 1"):
