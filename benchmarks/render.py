@@ -587,6 +587,17 @@ def accuracy_page(link: Callable[[str], str]) -> str:
     return accuracy.report_text(_records("accuracy/accuracy.jsonl"), "accuracy.png")
 
 
+def accuracy_tables(rel: str) -> Callable[[Callable[[str], str]], str]:
+    """The tables of ``accuracy.py --report`` over the runs of ``rel``, without the report's title
+    and plot."""
+
+    def render(link: Callable[[str], str]) -> str:
+        text = accuracy.report_text(_records(rel), "")
+        return text[text.index("\n## ") + 1 :].replace("\n## ", "\n### ").replace("## ", "### ", 1)
+
+    return render
+
+
 # The memory options of COAT's fastest Llama-2-7B setting, as the pages write them (`$O`).
 O_7B = (
     "optimizer_in_backward=true+grad_clip=null+fp8_attention=true+loss_chunk_size=2048"
@@ -774,6 +785,7 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_rowwise/sizes_350M": sizes_page("350M", "fp8_rowwise/sizes_350M.jsonl"),
     "fp8_rowwise/7b_h100": calls_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
     "fp8_rowwise/7b_h100_split": split_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
+    "fp8_rowwise/accuracy_tiny": accuracy_tables("fp8_rowwise/accuracy_tiny.jsonl"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
 
