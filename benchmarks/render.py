@@ -786,6 +786,7 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_rowwise/7b_h100": calls_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
     "fp8_rowwise/7b_h100_split": split_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
     "fp8_rowwise/accuracy_tiny": accuracy_tables("fp8_rowwise/accuracy_tiny.jsonl"),
+    "accuracy/chat_tiny": accuracy_tables("accuracy/chat_tiny.jsonl"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
 
