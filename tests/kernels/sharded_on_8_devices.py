@@ -10,6 +10,7 @@ gradient).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 from pallas_kernels import dispatch, fp8_act, fp8_quant
 from pallas_kernels.sharding import KernelMesh, group_aligned_spec
 from tests.jaxprs import pallas_calls
+from tests.kernels.contract import CPU_DEFAULT_EMITTERS
 from tests.tiny_runs import tiny_run
 
 if jax.device_count() != 8:
@@ -200,7 +202,9 @@ def test_mesh_of_one_device_equals_no_mesh():
     (without a mesh on 8 devices "pallas" runs outside jit only: arrays on one device)."""
     params, grads = _tree(0), _tree(10, scale=1e-2)
     results = []
-    for mesh, step in ((None, lambda f: f), (ONE_DEVICE, jax.jit)):
+    # Compared bit for bit: XLA's default fusion emitters (tests/kernels/contract.py).
+    exact = functools.partial(jax.jit, compiler_options=CPU_DEFAULT_EMITTERS)
+    for mesh, step in ((None, lambda f: f), (ONE_DEVICE, exact)):
         tx = _optimizer(mesh)
         results.append(step(tx.update)(grads, tx.init(params), params))
     _equal(results[0], results[1])
