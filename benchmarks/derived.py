@@ -287,7 +287,7 @@ def save_cost(warmed: dict, first: dict, bench: dict, within: float = 0.05) -> l
         f"- Before the warm-up (the first table) a save blocked the loop for {first_blocked} s, "
         f"so a checkpoint every N steps stayed within {pct} of the step time only from N = "
         f"{n(first_blocked, first_step)}.",
-        f"- Cost of a save every N steps at batch 1 now: {tr(blocked, 3)} s blocked (the save "
+        f"- Cost of a save every N steps at batch 1: {tr(blocked, 3)} s blocked (the save "
         f"step less the median step) plus the background write's drag ({tr(written - step, 4)} "
         f"s per step for the {tr(write_s, 1)} s the benchmark's first save took to write: "
         f"{tr(drag, 2)} s), {tr(blocked + drag, 2)} s per save, so **within {pct} of the step time "
