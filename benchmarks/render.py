@@ -52,6 +52,8 @@ import fp8_tiles  # noqa: E402
 import kernel_sass  # noqa: E402
 import quant_error  # noqa: E402
 
+from coat_jax.training.config_names import name_of  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK = re.compile(
@@ -613,10 +615,8 @@ ABBREV_7B_UNFUSED = {
 }
 CODES_BARRIER = {**ABBREV_7B, "+fp8_codes_barrier=true": ""}
 # The same memory options under their sectioned config keys, and the row-wise producers' kernels.
-O_7B_SECTIONED = (
-    "optimizer.in_backward=true+optimizer.grad_clip=null+precision.fp8_attention=true"
-    "+memory.loss_chunk_size=2048+precision.fp8_group_scale=e8m0"
-    "+precision.fp8_weight_residual=master+precision.fp8_swiglu=fused"
+O_7B_SECTIONED = "+".join(
+    f"{name_of(key)}={value}" for key, value in (kv.split("=", 1) for kv in O_7B.split("+"))
 )
 ABBREV_ROWWISE = {
     f"coat:scan:activations:{O_7B_SECTIONED}": "COAT `$O`",
