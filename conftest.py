@@ -9,10 +9,16 @@ compiled again by another test, another pytest-xdist worker or a ``train.py`` ch
   their own.
 - XLA:CPU's backend at optimization level 0: the programs are tiny, so LLVM's optimizations cost
   far more time than they save. The arithmetic is the same at every level (XLA:CPU keeps fast
-  math off), so every tolerance and bit-for-bit comparison holds. Not set where a GPU is present,
-  so GPU tests compile as users' programs do.
+  math off), so every tolerance and bit-for-bit comparison holds.
+- XLA:CPU's loop-fusion emitters instead of its MLIR fusion emitters, which take much of a small
+  program's compile time. They may round an element-wise chain differently (one float32 ulp)
+  in two programs that fuse it differently, so the few tests that compare two such programs bit
+  for bit compile those with the default emitters (``tests/kernels/contract.py``'s
+  ``CPU_DEFAULT_EMITTERS``, passed as ``jax.jit``'s ``compiler_options``).
+- None of the flags is set where a GPU is present, so GPU tests compile as users' programs do;
+  a flag already in ``XLA_FLAGS`` keeps its value.
 
-``COAT_JAX_TEST_COMPILE=default`` turns both off.
+``COAT_JAX_TEST_COMPILE=default`` turns all of them off.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ import os
 import shutil
 import tempfile
 
-CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+CPU_TEST_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false",
+)
 
 
 def _fast_compile_settings() -> None:
@@ -35,9 +45,12 @@ def _fast_compile_settings() -> None:
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     has_gpu = shutil.which("nvidia-smi") is not None
-    flags = os.environ.get("XLA_FLAGS", "")
-    if not has_gpu and CPU_TEST_XLA_FLAGS not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_TEST_XLA_FLAGS}".strip()
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if not has_gpu:
+        # A flag already in XLA_FLAGS keeps its value (child processes inherit the run's flags).
+        named = {f.split("=")[0] for f in flags}
+        missing = [f for f in CPU_TEST_XLA_FLAGS if f.split("=")[0] not in named]
+        os.environ["XLA_FLAGS"] = " ".join([*flags, *missing])
 
 
 _fast_compile_settings()

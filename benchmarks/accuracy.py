@@ -13,6 +13,8 @@ Each mode trains the same model on the same data in the same order (the trainer'
   coat_xla      precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla (the trainer's default)
   coat_swiglu   precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla precision.fp8_swiglu=fused
   coat_rounded  precision.mode=coat  optimizer.name=coat_adamw   kernels.fp8_ops=xla xla.excess_precision=false
+  coat_row, coat_row_gw_hp, coat_block   coat_rounded with precision.fp8_linear_scaling=row,
+                row_gw_hp or block (and precision.fp8_weight_residual=master)
 
 so a gap between ``coat`` and ``bf16`` can be traced to the optimizer state, the linear layers
 or the non-linear ops. The modes with FP8 activation ops other than coat_xla and coat_swiglu pin
@@ -43,6 +45,9 @@ the document). Settings:
             whole files, the last 2 held out. The bundled corpus has 3.14M tokens, and the H200
             has no network and takes 64 MiB per call, so this is the text of at least 100M
             tokens that is there: code with its comments and docstrings, not prose.
+  chat_tiny the tiny Llama from scratch on chats (tools/make_chat_data.py: sums of two numbers,
+            written on first use), rendered with the byte tokenizer's chat template; training
+            and validation loss on the assistant's tokens only, 5% of the chats held out
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import json
 import math
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -144,6 +150,21 @@ MODES = {
         "kernels.fp8_ops=xla",
         "xla.excess_precision=false",
     ],
+    # Finer scales for the linears' FP8 operands (FP8Config.linear_scaling), which re-quantize
+    # the master weights in each linear: per token and per output channel; the same with the
+    # weight gradient in BF16; 1x128 activation tiles and 128x128 weight blocks. Otherwise as
+    # coat_rounded.
+    **{
+        f"coat_{name}": [
+            "precision.mode=coat",
+            "optimizer.name=coat_adamw",
+            "precision.fp8_weight_residual=master",
+            f"precision.fp8_linear_scaling={scaling}",
+            "kernels.fp8_ops=xla",
+            "xla.excess_precision=false",
+        ]
+        for name, scaling in (("row", "row"), ("row_gw_hp", "row_gw_hp"), ("block", "block"))
+    },
 }
 MODE_TITLES = {
     "bf16": "BF16 + AdamW",
@@ -158,6 +179,9 @@ MODE_TITLES = {
     "coat_rounded": "COAT + coat_adamw, XLA fusions, no excess precision",
     "coat_fp8attn": "COAT + coat_adamw, as coat_rounded, FP8 attention (forward re-run in backward)",
     "coat_fp8attn_saved": "COAT + coat_adamw, as coat_rounded, FP8 attention (saved output, no re-run)",
+    "coat_row": "COAT + coat_adamw, row-wise scaled linears",
+    "coat_row_gw_hp": "COAT + coat_adamw, row-wise scaled linears, BF16 weight gradient",
+    "coat_block": "COAT + coat_adamw, block-wise scaled linears",
 }
 # Held out whole for validation: one of the six Austen novels (the other five, both Bibles are
 # trained on), so validation measures text the model never saw, in a style it did.
@@ -190,6 +214,9 @@ CODE_CORPUS = "runs/code_corpus"
 CODE_SHARDS = 64
 CODE_HELD_OUT = [f"shard_{i:03d}.txt" for i in (CODE_SHARDS - 2, CODE_SHARDS - 1)]
 CODE_REPLACES = ("steps=", "optimizer.warmup_steps=", "eval.every=", "eval.batches=")
+# chat_tiny's data (tools/make_chat_data.py: sums of two numbers, written on first use).
+CHAT_DATA = "runs/data/chat_sums.jsonl"
+CHAT_VAL_FRACTION = 0.05
 
 SETTINGS = {
     "tiny": {
@@ -226,6 +253,21 @@ SETTINGS = {
         ],
         "tokenizer": True,
         "code_corpus": True,
+    },
+    "chat_tiny": {
+        "config": "configs/default.yaml",
+        # The tiny model from scratch on chats rendered with the byte tokenizer's built-in
+        # template: the loss (validation too) is taken on the assistant's tokens alone.
+        "overrides": [
+            f"data.path={CHAT_DATA}",
+            "data.val_documents=null",
+            f"data.val_fraction={CHAT_VAL_FRACTION}",
+            "steps=300",
+            "optimizer.warmup_steps=30",
+            "eval.every=100",
+            "eval.batches=4",
+        ],
+        "chat_data": True,
     },
     "finetune": {
         "config": "configs/smollm2_135m_finetune.yaml",
@@ -452,12 +494,19 @@ def verdict(summary: dict, setting: str, mode: str, metric: str) -> str:
 
 def setting_held_out(setting: str) -> list[str]:
     """The documents ``setting`` validates on (its ``val_documents``)."""
+    if SETTINGS[setting].get("chat_data"):
+        return [f"{CHAT_VAL_FRACTION:.0%} of the chats"]
     return CODE_HELD_OUT if SETTINGS[setting].get("code_corpus") else [HELD_OUT]
 
 
 def held_out_text(setting: str, row: dict) -> str:
     """The documents a setting validates on, for the report: what ``row`` (a result) records,
     else (older records) the setting's."""
+    if SETTINGS[setting].get("chat_data"):
+        return (
+            f"{CHAT_VAL_FRACTION:.0%} of the chats of `{CHAT_DATA}` (`tools/make_chat_data.py`), "
+            "held out whole; loss on the assistant's tokens only"
+        )
     if row.get("held_out"):
         names = ", ".join(f"`{n}`" for n in row["held_out"].split(","))
         corpus = CODE_CORPUS if SETTINGS[setting].get("code_corpus") else "the corpus"
@@ -714,6 +763,9 @@ def main(argv=None) -> int:
     if SETTINGS[setting].get("code_corpus") and not (REPO / CODE_CORPUS).exists():
         info = build_code_corpus(REPO / CODE_CORPUS)
         print(f"built {CODE_CORPUS}: {info['files']} files, {info['bytes']:,} bytes", flush=True)
+    if SETTINGS[setting].get("chat_data") and not (REPO / CHAT_DATA).exists():
+        make = [sys.executable, str(REPO / "tools" / "make_chat_data.py"), str(REPO / CHAT_DATA)]
+        subprocess.run(make, check=True)
     for mode in modes:
         run_mode(setting, mode, seeds, args.out, args)
     if args.tiny:

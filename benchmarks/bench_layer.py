@@ -579,7 +579,7 @@ def worker(args) -> None:
     keys["fp8_ops_implementation"] = (
         kernel_options(cfg, fp8_ops=True)["implementation"] if mode != "bf16" else None
     )
-    label = _variant(keys)
+    label = variant_of(keys)
 
     def apply(params, x_BTD, weight_residual=None):
         b, t = x_BTD.shape[:2]
@@ -796,7 +796,7 @@ def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f}"
 
 
-def _variant(r: dict) -> str:
+def variant_of(r: dict) -> str:
     """A record's mode with its weight residual and where its FP8 ops ran (``coat/once/xla``,
     ``coat/once/pallas``; bf16 has neither). Records from before the runs named the resolved
     implementation show the ``fp8_kernels`` option where one was set (``coat/once`` then ran the
@@ -814,7 +814,7 @@ def _find(records: list[dict], kind: str, batch: int, variant: str) -> dict | No
         (
             r
             for r in records
-            if r["kind"] == kind and r["batch"] == batch and _variant(r) == variant
+            if r["kind"] == kind and r["batch"] == batch and variant_of(r) == variant
         ),
         None,
     )
@@ -825,9 +825,9 @@ def _split_rows(records: list[dict]) -> list[tuple[int, str, dict]]:
     out, seen = [], set()
     for kind in ("layer_step", "layer"):
         for r in records:
-            if r["kind"] == kind and "split" in r and (r["batch"], _variant(r)) not in seen:
-                seen.add((r["batch"], _variant(r)))
-                out.append((r["batch"], _variant(r), r["split"]))
+            if r["kind"] == kind and "split" in r and (r["batch"], variant_of(r)) not in seen:
+                seen.add((r["batch"], variant_of(r)))
+                out.append((r["batch"], variant_of(r), r["split"]))
     variant_order = lambda v: (MODES.index(v.split("/")[0]), v)
     return sorted(out, key=lambda row: (row[0], variant_order(row[1])))
 
@@ -910,7 +910,9 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
         "| fp8 transposes | device | JAX | date |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    variants = sorted({_variant(r) for r in rows}, key=lambda v: (MODES.index(v.split("/")[0]), v))
+    variants = sorted(
+        {variant_of(r) for r in rows}, key=lambda v: (MODES.index(v.split("/")[0]), v)
+    )
     for batch in sorted({r["batch"] for r in rows}):
         b = _find(records, "layer", batch, "bf16")
         b_step = _find(records, "layer_step", batch, "bf16")
@@ -942,7 +944,7 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
     ooms = [r for r in records if r["kind"] == "oom"]
     if ooms:
         lines += [""] + [
-            f"- {_variant(r)} batch {r['batch']}: {r.get('program', 'fwd_bwd')} out of memory"
+            f"- {variant_of(r)} batch {r['batch']}: {r.get('program', 'fwd_bwd')} out of memory"
             for r in ooms
         ]
     lines += split_table(records)
@@ -951,18 +953,18 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
         lines += ["", "Custom calls in the compiled step (first batch):", ""]
         for r in rows:
             if r["batch"] == first:
-                lines.append(f"- {_variant(r)}: {r['hlo_calls']}")
+                lines.append(f"- {variant_of(r)}: {r['hlo_calls']}")
         lines += ["", "Kernels by opcode (first batch; fwd+bwd, then the layer step):", ""]
         for r in rows:
             if r["batch"] == first and "kernels" in r:
-                step = _find(records, "layer_step", first, _variant(r))
+                step = _find(records, "layer_step", first, variant_of(r))
                 by_step = f"; layer step {step['kernels']['by_opcode']}" if step else ""
-                lines.append(f"- {_variant(r)}: {r['kernels']['by_opcode']}{by_step}")
+                lines.append(f"- {variant_of(r)}: {r['kernels']['by_opcode']}{by_step}")
         lines += ["", "Activations by dtype (U, first batch):", ""]
         for r in rows:
             if r["batch"] == first:
                 parts = ", ".join(f"{k} {v:.3f}" for k, v in r["activation_U_by_dtype"].items())
-                lines.append(f"- {_variant(r)}: {parts}")
+                lines.append(f"- {variant_of(r)}: {parts}")
     text = "\n".join(lines) + "\n"
     if path:
         with open(path, "w") as f:
@@ -1124,7 +1126,7 @@ def main(argv=None) -> None:
             + (["--tiny"] if args.tiny else [])
             + (["--scan"] if args.scan else [])
         )
-        name = _variant(
+        name = variant_of(
             {"mode": mode, "weight_residual": weight_residual, "fp8_kernels": kernels}
         ).replace("/", "_")  # the option asked for; the records name what it resolved to
         rc = C.run_child(

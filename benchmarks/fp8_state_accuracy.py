@@ -7,7 +7,7 @@ numbers, under ``--out``). docs/fp8_state.md holds a measured table.
 
   python benchmarks/fp8_state_accuracy.py                       # every optimizer, 600 steps
   python benchmarks/fp8_state_accuracy.py --steps 300 --optimizers lion sgd
-  python benchmarks/fp8_state_accuracy.py --state-bytes   # bytes/parameter, Llama-2-7B tree
+  python benchmarks/fp8_state_accuracy.py --state-bytes OUT   # bytes/parameter, Llama-2-7B tree
 
 Learning rates: AdamW's default 3e-3 for adamw, adafactor and muon (whose consistent-RMS
 scaling is meant to share AdamW's learning rate); lion takes a tenth of it (its sign updates are
@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import dataclasses  # noqa: E402
 
 import _common as C  # noqa: E402
+import derived  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -73,9 +74,11 @@ def run(optimizer: str, fp8: bool, *, steps: int, lr: float, out: Path, extra) -
     }
 
 
-def state_bytes_table() -> str:
-    """State bytes per parameter of every trainer optimizer on the Llama-2-7B parameter tree,
-    from ``jax.eval_shape(tx.init, params)`` (no array is allocated)."""
+def state_bytes_records() -> list[dict]:
+    """State bytes of every trainer optimizer, float32 and FP8 state, and of ``coat_adamw``
+    (its fused FP8 state) on the Llama-2-7B parameter tree, from ``jax.eval_shape(tx.init,
+    params)`` (no array is allocated): one ``"kind": "state_bytes"`` record each, stamped with
+    the environment and command (``derived.state_bytes_table`` renders them)."""
     model = nnx.eval_shape(
         lambda: Llama(
             LlamaConfig(), precision="coat", param_dtype=jax.numpy.float32, rngs=nnx.Rngs(0)
@@ -84,28 +87,30 @@ def state_bytes_table() -> str:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     n = sum(p.size for p in jax.tree.leaves(params))
     base = load_config(REPO / "configs" / "default.yaml")
-    lines = [
-        f"Llama-2-7B parameter tree ({n / 1e9:.3f}B parameters), configs/default.yaml otherwise",
-        "",
-        "| optimizer | float32 state | FP8 state | ratio | FP8 leaves |",
-        "|---|---|---|---|---|",
+    stamp = {**C.environment(), "command": C.command_line()}
+    records = []
+    configs = [
+        (opt, fp8, dataclasses.replace(base, optimizer=opt, fp8_state=fp8))
+        for opt in OPTIMIZERS
+        for fp8 in (False, True)
     ]
-    for opt in OPTIMIZERS:
-        per = {}
-        for fp8 in (False, True):
-            cfg = dataclasses.replace(base, optimizer=opt, fp8_state=fp8)
-            state = jax.eval_shape(
-                optimizers.make_optimizer(cfg, program.make_schedule(cfg)).init, params
-            )
-            per[fp8] = (quant.state_bytes(state) / n, len(quantized_paths(state)) if fp8 else 0)
-        lines.append(
-            f"| {opt} | {per[False][0]:.4f} | {per[True][0]:.4f} | "
-            f"{C.times(per[False][0] / per[True][0], 2)} | {per[True][1]} |"
+    configs.append(("coat_adamw", True, dataclasses.replace(base, optimizer="coat_adamw")))
+    for opt, fp8, cfg in configs:
+        state = jax.eval_shape(
+            optimizers.make_optimizer(cfg, program.make_schedule(cfg)).init, params
         )
-    cfg = dataclasses.replace(base, optimizer="coat_adamw")
-    state = jax.eval_shape(optimizers.make_optimizer(cfg, program.make_schedule(cfg)).init, params)
-    lines.append(f"| coat_adamw (fused) | | {quant.state_bytes(state) / n:.4f} | | |")
-    return "\n".join(lines)
+        records.append(
+            {
+                "kind": "state_bytes",
+                "optimizer": opt,
+                "fp8_state": fp8,
+                "state_bytes": quant.state_bytes(state),
+                "fp8_leaves": len(quantized_paths(state)) if cfg.fp8_state else None,
+                "n_params": n,
+                **stamp,
+            }
+        )
+    return records
 
 
 def table(rows: list[dict]) -> str:
@@ -133,12 +138,16 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--out", default="runs/fp8_state_accuracy")
     parser.add_argument(
-        "--state-bytes", action="store_true", help="print the state-bytes table and exit"
+        "--state-bytes",
+        metavar="OUT",
+        help="write the state-bytes records to OUT.jsonl, print their table and exit",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
     if args.state_bytes:
-        print(state_bytes_table())
+        records = state_bytes_records()
+        C.write_jsonl(args.state_bytes, records)
+        print("\n".join(derived.state_bytes_table(records)))
         return 0
     lrs = dict(LEARNING_RATES)
     for item in args.lr:

@@ -17,7 +17,9 @@ Each block reuses its benchmark's own report code (``bench_layer.write_docs``,
 benchmark wrote it after a run or this script renders it from the committed records. Beside
 those, one renderer per kind of table: ``calls_table`` and ``split_table`` for any
 ``bench_e2e`` records (runs by device call, traced time splits), ``bench_optimizer.table`` for
-the optimizer records, and ``transcribed`` for a table whose run left no raw records: a
+the optimizer records, ``derived``'s for a table or sentence computed from records (ratios
+between runs, per-token and one-layer splits, bytes from parameter counts), and
+``transcribed`` for a table whose run left no raw records: a
 ``{"kind": "table", "table": NAME, "columns": [...], "rows": [[...]], ...}`` line of
 ``<benchmark>/tables.jsonl`` keeps its cells as first published with the device, JAX version,
 date, command and commit (null where unknown), and renders as block ``<benchmark>/NAME``.
@@ -44,10 +46,13 @@ import bench_e2e  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_optimizer  # noqa: E402
 import bench_sizes  # noqa: E402
+import derived  # noqa: E402
 import fp8_cast  # noqa: E402
 import fp8_tiles  # noqa: E402
 import kernel_sass  # noqa: E402
 import quant_error  # noqa: E402
+
+from coat_jax.training.config_names import name_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -369,6 +374,19 @@ def _label(setting: str, abbrev: dict[str, str]) -> str:
     return setting
 
 
+def run_label(abbrev: dict[str, str], fields: tuple[str, ...] = ()) -> derived.Label:
+    """A run's label: its setting with ``abbrev``'s short forms (:func:`_label`), followed by
+    the record's ``fields`` that set it apart."""
+    return lambda r: (
+        _label(r["setting"], abbrev) + "".join(f", {f} {r[f]}" for f in fields if f in r)
+    )
+
+
+def _setup(rel: str) -> dict:
+    """The first ``bench_e2e`` setup record of ``rel`` that counted the model's parameters."""
+    return next(r for r in _records(rel) if r.get("kind") == "setup" and "n_params" in r)
+
+
 def _thousands(x: float) -> str:
     """``x`` truncated to an integer, with thousands separators."""
     return f"{int(x):,}"
@@ -385,6 +403,8 @@ def calls_table(
     ``calls`` and settings starting with one of ``only`` where given) with its device call,
     each setting written with ``abbrev``'s short forms and followed by the record's ``fields``
     that set it apart, figures truncated; temporaries from the compile record before the run."""
+
+    label = run_label(abbrev, fields)
 
     def render(link: Callable[[str], str]) -> str:
         tr = C.truncated
@@ -409,11 +429,8 @@ def calls_table(
                 if compiled.get("setting") == r["setting"]
                 else None
             )
-            setting = _label(r["setting"], abbrev) + "".join(
-                f", {f} {r[f]}" for f in fields if f in r
-            )
             lines.append(
-                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
+                f"| {r.get('device_call', '-')} | {label(r)} | {r['batch']} | "
                 f"{_thousands(r['tokens_per_s'])} | "
                 f"{'not recorded' if flight is None else _thousands(flight)} | "
                 f"{tr(step['median_s'] * 1e3, 2)} [{tr(step['min_s'] * 1e3, 2)}, "
@@ -444,6 +461,8 @@ def split_table(
     one step traced by ``jax.profiler``; only device ``calls`` where given), settings written
     as :func:`calls_table` writes them."""
 
+    label = run_label(abbrev, fields)
+
     def render(link: Callable[[str], str]) -> str:
         tr = C.truncated
         lines = [
@@ -456,12 +475,9 @@ def split_table(
             if r.get("kind") != "profile" or (calls and int(r.get("device_call", 0)) not in calls):
                 continue
             split = r["split"]
-            setting = _label(r["setting"], abbrev) + "".join(
-                f", {f} {r[f]}" for f in fields if f in r
-            )
             cells = [tr(split["categories"][key]["ms"], 2) for key, _ in SPLIT]
             lines.append(
-                f"| {r.get('device_call', '-')} | {setting} | {r['batch']} | "
+                f"| {r.get('device_call', '-')} | {label(r)} | {r['batch']} | "
                 f"{tr(split['wall_ms'], 2)} | " + " | ".join(cells) + " | "
                 f"{int(split['kernels_per_step'])} | {r['device'].removeprefix('gpu:')} | "
                 f"{r['jax']} | {r['date'][:10]} |"
@@ -543,16 +559,21 @@ def checkpoint_parts(link: Callable[[str], str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _table(rel: str, name: str) -> dict:
+    """The one ``"kind": "table"`` record named ``name`` in ``rel``."""
+    found = [r for r in _records(rel) if r.get("kind") == "table" and r["table"] == name]
+    if len(found) != 1:
+        raise ValueError(f"{rel}: {len(found)} tables named {name!r}, expected one")
+    return found[0]
+
+
 def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
     """The table ``name`` of ``rel``: a ``"kind": "table"`` record holds a table whose run left
     no raw records, its cells as first published (``columns``, ``rows``), beside the run's
     device, JAX version, date, command and commit; those come out as the last columns."""
 
     def render(link: Callable[[str], str]) -> str:
-        found = [r for r in _records(rel) if r.get("kind") == "table" and r["table"] == name]
-        if len(found) != 1:
-            raise ValueError(f"{rel}: {len(found)} tables named {name!r}, expected one")
-        t = found[0]
+        t = _table(rel, name)
         columns = t["columns"] + ["device", "JAX", "date"]
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         stamp = [t["device"] or "not recorded", t["jax"] or "not recorded"]
@@ -566,6 +587,17 @@ def transcribed(rel: str, name: str) -> Callable[[Callable[[str], str]], str]:
 def accuracy_page(link: Callable[[str], str]) -> str:
     """The accuracy report above its notes, as ``accuracy.py --report`` writes it."""
     return accuracy.report_text(_records("accuracy/accuracy.jsonl"), "accuracy.png")
+
+
+def accuracy_tables(rel: str) -> Callable[[Callable[[str], str]], str]:
+    """The tables of ``accuracy.py --report`` over the runs of ``rel``, without the report's title
+    and plot."""
+
+    def render(link: Callable[[str], str]) -> str:
+        text = accuracy.report_text(_records(rel), "")
+        return text[text.index("\n## ") + 1 :].replace("\n## ", "\n### ").replace("## ", "### ", 1)
+
+    return render
 
 
 # The memory options of COAT's fastest Llama-2-7B setting, as the pages write them (`$O`).
@@ -582,6 +614,14 @@ ABBREV_7B_UNFUSED = {
     "bf16:unrolled:none": "BF16",
 }
 CODES_BARRIER = {**ABBREV_7B, "+fp8_codes_barrier=true": ""}
+# The same memory options under their sectioned config keys, and the row-wise producers' kernels.
+O_7B_SECTIONED = "+".join(
+    f"{name_of(key)}={value}" for key, value in (kv.split("=", 1) for kv in O_7B.split("+"))
+)
+ABBREV_ROWWISE = {
+    f"coat:scan:activations:{O_7B_SECTIONED}": "COAT `$O`",
+    "+kernels.rmsnorm_rowwise=pallas+kernels.swiglu_rowwise=pallas": " + Pallas producers",
+}
 
 BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "accuracy": accuracy_page,
@@ -590,7 +630,18 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     ),
     "fp8_cast": records_table("fp8_cast/fp8_cast.jsonl", fp8_cast.table),
     "fp8_tiles": records_table("fp8_tiles/fp8_tiles.jsonl", fp8_tiles.table),
+    "fp8_tiles/e2e": calls_table("fp8_tiles/e2e.jsonl", ABBREV_7B, fields=("tiles_run",)),
     "attention_backward/calls": calls_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
+    "attention_backward/ratios": records_table(
+        "attention_backward/e2e.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ATTENTION_BACKWARD)),
+    ),
+    "codes_barrier/ratios": records_table(
+        "codes_barrier/e2e.jsonl",
+        lambda rs: derived.coat_over_bf16(
+            rs, run_label(CODES_BARRIER, ("codes_barrier", "residual_stacks"))
+        ),
+    ),
     "attention_backward/split": split_table("attention_backward/e2e.jsonl", ATTENTION_BACKWARD),
     "codes_barrier/calls": calls_table(
         "codes_barrier/e2e.jsonl", CODES_BARRIER, calls=(1,), fields=("codes_barrier",)
@@ -613,6 +664,17 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "e2e_fused_apply/calls": calls_table("e2e_fused_apply/e2e.jsonl", {}),
     "e2e_group_scale/calls": calls_table("e2e_group_scale/e2e.jsonl", {}),
     "fused_swiglu/7b_largest": calls_table("fused_swiglu/7b_largest.jsonl", ABBREV_7B_UNFUSED),
+    "memory_options/master_bytes": lambda link: (
+        "\n".join(
+            derived.master_bytes(
+                [
+                    ("Llama-2-7B", _setup("e2e/e2e.jsonl")),
+                    ("Llama-3-8B", _setup("e2e_llama3_8b/e2e.jsonl")),
+                ]
+            )
+        )
+        + "\n"
+    ),
     "memory_options/e2e": calls_table("e2e/e2e.jsonl", {}, only=("coat:scan:activations",)),
     "memory_options/once": calls_table("e2e_once/e2e.jsonl", {}, only=("coat:scan:activations",)),
     "memory_options/in_backward": calls_table("e2e_in_backward/e2e.jsonl", {}, only=("coat",)),
@@ -624,19 +686,91 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "excess_precision/7b_b1": calls_table("excess_precision/7b_b1.jsonl", {}),
     "excess_precision/7b_largest": calls_table("excess_precision/7b_largest.jsonl", ABBREV_7B),
     "excess_precision/76M": calls_table("excess_precision/76M.jsonl", {}),
+    "excess_precision/7b_b1_ratios": records_table(
+        "excess_precision/7b_b1.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch", "bf16:unrolled:none"),
+    ),
+    "excess_precision/7b_largest_ratios": records_table(
+        "excess_precision/7b_largest.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B), "largest"),
+    ),
     "fp8_kernels/7b_scan": calls_table("fp8_kernels/7b_scan.jsonl", {}),
     "fp8_kernels/7b_options": calls_table("fp8_kernels/7b_options.jsonl", ABBREV_7B_UNFUSED),
     "fp8_kernels/7b_unrolled": calls_table("fp8_kernels/7b_unrolled.jsonl", {}),
     "fp8_kernels/76M": calls_table("fp8_kernels/76M.jsonl", {}),
+    "fp8_kernels/layer": records_table("fp8_kernels/layer.jsonl", derived.layer_split),
+    "excess_precision/layer": records_table("excess_precision/layer.jsonl", derived.layer_split),
+    "fp8_kernels/rule_ratios": records_table(
+        "fp8_kernels/rule.jsonl", lambda rs: derived.pallas_over_xla(rs, run_label(ABBREV_7B))
+    ),
+    "fp8_kernels/op_kernels_b1_ratios": records_table(
+        "fp8_kernels/op_kernels.jsonl",
+        lambda rs: derived.pallas_over_xla(rs, run_label(ABBREV_7B, ("variant",))),
+    ),
+    "fp8_kernels/op_kernels_split": split_table(
+        "fp8_kernels/op_kernels.jsonl", ABBREV_7B, calls=(4,), fields=("variant",)
+    ),
+    "fp8_kernels/7b_unrolled_ratios": records_table(
+        "fp8_kernels/7b_unrolled.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch"),
+    ),
+    "fp8_kernels/7b_options_ratios": records_table(
+        "fp8_kernels/7b_options.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B_UNFUSED), "largest"),
+    ),
+    "fp8_state/state_bytes": records_table(
+        "fp8_state/state_bytes.jsonl", derived.state_bytes_table
+    ),
+    "fp8_kernels/76M_ratios": records_table(
+        "fp8_kernels/76M.jsonl", lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch")
+    ),
+    "fp8_kernels/op_kernels_ratios": records_table(
+        "fp8_kernels/op_kernels.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B, ("variant",))),
+    ),
+    "largest_batch_split/ratios": records_table(
+        "largest_batch_split/e2e.jsonl",
+        lambda rs: derived.coat_over_bf16(rs, run_label(ABBREV_7B, ("xla_flags",))),
+    ),
+    "largest_batch_split/target": records_table(
+        "largest_batch_split/e2e.jsonl", lambda rs: derived.speed_target(rs, 1.6, call=1)
+    ),
+    "largest_batch_split/per_token": records_table(
+        "largest_batch_split/e2e.jsonl",
+        lambda rs: derived.per_token_split(rs, run_label(ABBREV_7B), calls=(1,)),
+    ),
     "gemm_output/7b_unrolled": calls_table("gemm_output/7b_unrolled.jsonl", {}),
     "gemm_output/7b_largest": calls_table("gemm_output/7b_largest.jsonl", ABBREV_7B),
     "gemm_output/76M": calls_table("gemm_output/76M.jsonl", {}),
     "gemm_output/sizes_float32_output": calls_table("gemm_output/sizes_float32_output.jsonl", {}),
     "gemm_output/sizes_350M": calls_table("gemm_output/sizes_350M.jsonl", {}),
+    **{
+        f"gemm_output/{name}_ratios": records_table(
+            f"gemm_output/{name}.jsonl",
+            lambda rs, pair=pair: derived.coat_over_bf16(rs, run_label(ABBREV_7B), pair),
+        )
+        for name, pair in (
+            ("7b_unrolled", "batch"),
+            ("7b_largest", "largest"),
+            ("76M", "batch"),
+            ("sizes_float32_output", "batch"),
+            ("sizes_350M", "batch"),
+        )
+    },
     "fp8_kernels/op_kernels": calls_table(
         "fp8_kernels/op_kernels.jsonl", ABBREV_7B, fields=("variant",)
     ),
     "checkpoint": checkpoint_parts,
+    "reliability/save_cost": lambda link: (
+        "\n".join(
+            derived.save_cost(
+                _table("reliability/tables.jsonl", "warmed_saves"),
+                _table("reliability/tables.jsonl", "first_saves"),
+                _records("checkpoint/checkpoint.jsonl")[-1],
+            )
+        )
+        + "\n"
+    ),
     "headline": headline,
     "kernel_sass": records_table("optimizer/kernel_sass.jsonl", kernel_sass.table),
     "headline_commands": headline_commands,
@@ -649,6 +783,10 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_rowwise/block_xla_row_gw_hp": layer_page("fp8_rowwise", "block_xla_row_gw_hp.jsonl"),
     "fp8_rowwise/block_pallas": layer_page("fp8_rowwise", "block_pallas.jsonl"),
     "fp8_rowwise/sizes_350M": sizes_page("350M", "fp8_rowwise/sizes_350M.jsonl"),
+    "fp8_rowwise/7b_h100": calls_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
+    "fp8_rowwise/7b_h100_split": split_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
+    "fp8_rowwise/accuracy_tiny": accuracy_tables("fp8_rowwise/accuracy_tiny.jsonl"),
+    "accuracy/chat_tiny": accuracy_tables("accuracy/chat_tiny.jsonl"),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
 

@@ -69,14 +69,21 @@ def hf_llama(
 
 
 def with_precision(model, precision: str, dtype):
-    """The same parameters (shared, not copied) under another precision mode / dtype."""
+    """The same parameters (shared, not copied) under another precision mode / dtype, in the
+    same layer layout."""
     from flax import nnx
 
     from coat_jax.llama import Llama
 
     _, state = nnx.split(model)
     abstract = nnx.eval_shape(
-        lambda: Llama(model.config, precision=precision, dtype=dtype, rngs=nnx.Rngs(0))
+        lambda: Llama(
+            model.config,
+            precision=precision,
+            dtype=dtype,
+            rngs=nnx.Rngs(0),
+            scan_layers=model.scan_layers,
+        )
     )
     graphdef, _ = nnx.split(abstract)
     return nnx.merge(graphdef, state)

@@ -313,6 +313,7 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             stop.compiling = not agreement.several
             say(f"step {step + 1}: compiling the train step")
         while step < last_step and agreement.stop(stop.signum) is None:
+            stop.say_notes()
             trace.before(step + 1)
             batch = sharding.put_rows(
                 lambda rows, at=position: run.order.take(at, sequences_per_step, rows),
@@ -349,6 +350,7 @@ def _steps(run: RunState, cfg: TrainConfig, out: Path, stop_at, say, log) -> Tra
             if save_now:
                 checkpoint(final=False)
                 progress.restart_clock()
+        stop.say_notes()
         stop.compiling = False
         progress.finish()
         progress.flush()

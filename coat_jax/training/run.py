@@ -356,6 +356,9 @@ class GracefulStop:
         self._say = say
         self._finished = finished
         self._previous: dict[int, Any] = {}
+        # What a signal has to say, written by say_notes() from the main flow: a handler runs
+        # between any two bytecodes, also inside a write to the very stream it would write to.
+        self._notes: list[str] = []
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -369,21 +372,29 @@ class GracefulStop:
         self.signum = signum
         name = signal.Signals(signum).name
         if self.compiling:
-            self._say(f"received {name} while compiling the train step: stopping (no step has run)")
+            self._notes.append(
+                f"received {name} while compiling the train step: stopping (no step has run)"
+            )
         else:
             when = (
                 "every process has agreed to stop (at a step boundary, one step later than alone)"
                 if jax.process_count() > 1
                 else "the step in flight finishes"
             )
-            self._say(
+            self._notes.append(
                 f"received {name} after step {self._finished()}: saving a checkpoint once "
                 f"{when}, then stopping (send it again to abort without saving)"
             )
 
+    def say_notes(self) -> None:
+        """Says what the signals received so far have to say (call it outside the handler)."""
+        while self._notes:
+            self._say(self._notes.pop(0))
+
     def __exit__(self, *exc):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        self.say_notes()
 
 
 FIRST_STEP_THREAD = "coat_jax first step"
@@ -411,6 +422,7 @@ def first_step(step_fn, args, stop: GracefulStop):
         while worker.is_alive():
             worker.join(0.05)
             if stop.signum is not None and worker.is_alive():
+                stop.say_notes()
                 return None
     finally:
         stop.compiling = False

@@ -2,7 +2,6 @@
 
 import ast
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -305,16 +304,20 @@ def test_write_docs_shows_a_traced_split():
 @pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="the CPU smoke test: it checks the CPU's untraced split"
 )
-def test_tiny_run_on_the_cpu(tmp_path):
-    """The smoke test: both programs per mode, the CPU's 'no GPU kernels', the docs' columns."""
+def test_tiny_run_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """The smoke test: both programs per mode, the CPU's 'no GPU kernels', the docs' columns.
+
+    The script's parent runs in this process, with the command line it would have (its workers
+    are processes of their own, as always)."""
     out, docs = tmp_path / "layer", tmp_path / "layer.md"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_layer.py"), "--tiny"]
+    cmd = [str(REPO / "benchmarks" / "bench_layer.py"), "--tiny"]
     cmd += ["--modes", "bf16,coat", "--reps", "1", "--warmup", "1", "--profile-reps", "1"]
     cmd += ["--out-dir", str(out), "--docs", str(docs), "--no-child-logs"]
     hlo_dir = tmp_path / "hlo"
-    run = [*cmd, "--hlo-dir", str(hlo_dir), "--top-kernels", "50"]
-    proc = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [*cmd, "--hlo-dir", str(hlo_dir), "--top-kernels", "50"])
+    B.main()
+    stdout = capsys.readouterr().out
     # Each variant's two compiled programs, as HLO text with the program's entry computation.
     dumps = sorted(p.name for p in hlo_dir.iterdir())
     assert len(dumps) == 4 and all(n.endswith("_b2.hlo.txt") for n in dumps), dumps
@@ -340,30 +343,23 @@ def test_tiny_run_on_the_cpu(tmp_path):
     for column in ("| layer step (ms) |", "| step vs bf16 |", "| step kernels |", "| GEMMs |"):
         assert column in text
     assert text.count("no GPU kernels traced") == 2
-    assert "no time split, no GPU kernels traced" in proc.stdout
+    assert "no time split, no GPU kernels traced" in stdout
     # --report-only rewrites the same docs from the records.
-    again = subprocess.run(
-        [*cmd[:2], "--out-dir", str(out), "--docs", str(tmp_path / "again.md"), "--report-only"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert again.returncode == 0, again.stderr[-2000:]
+    B.main(["--out-dir", str(out), "--docs", str(tmp_path / "again.md"), "--report-only"])
     assert (tmp_path / "again.md").read_text() == text
 
 
 def test_variant_names_the_fp8_kernels_only_where_set():
     r = {"mode": "coat", "weight_residual": "once"}
-    assert B._variant(r) == "coat/once"
-    assert B._variant({**r, "fp8_kernels": "default"}) == "coat/once"
-    assert B._variant({**r, "fp8_kernels": "xla"}) == "coat/once/xla"
-    assert B._variant({"mode": "bf16", "fp8_kernels": "default"}) == "bf16"
+    assert B.variant_of(r) == "coat/once"
+    assert B.variant_of({**r, "fp8_kernels": "default"}) == "coat/once"
+    assert B.variant_of({**r, "fp8_kernels": "xla"}) == "coat/once/xla"
+    assert B.variant_of({"mode": "bf16", "fp8_kernels": "default"}) == "bf16"
     # What the option resolved to, where recorded, names the variant.
     resolved = {**r, "fp8_kernels": "default", "fp8_ops_implementation": "xla"}
-    assert B._variant(resolved) == "coat/once/xla"
+    assert B.variant_of(resolved) == "coat/once/xla"
     resolved = {**r, "fp8_kernels": "pallas", "fp8_ops_implementation": "pallas"}
-    assert B._variant(resolved) == "coat/once/pallas"
+    assert B.variant_of(resolved) == "coat/once/pallas"
     with pytest.raises(ValueError, match="--fp8-kernels must be"):
         B.main(["--tiny", "--fp8-kernels", "triton", "--out-dir", "unused"])
     with pytest.raises(ValueError, match="--top-kernels must be >= 1"):

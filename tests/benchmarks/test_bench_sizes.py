@@ -3,7 +3,6 @@
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -187,23 +186,16 @@ def test_pays_sentence(ratios, expected):
         assert "BF16 is faster at A (1.00k parameters, 0.700x)." in sentence
 
 
-def test_tiny_sweep_on_cpu(tmp_path):
+def test_tiny_sweep_on_cpu(tmp_path, monkeypatch):
+    # The sweep's parent runs in this process, with the command line it would have (bench_e2e
+    # and its settings run in processes of their own, as always).
     out, docs = tmp_path / "out", tmp_path / "sizes.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "bench_sizes.py"),
-            "--tiny",
-            "--sizes=tiny-s",
-            f"--out-dir={out}",
-            f"--docs={docs}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
+    script = str(REPO / "benchmarks" / "bench_sizes.py")
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(
+        sys, "argv", [script, "--tiny", "--sizes=tiny-s", f"--out-dir={out}", f"--docs={docs}"]
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    S.main()
     records = [json.loads(x) for x in (out / "tiny-s" / "e2e.jsonl").read_text().splitlines()]
     size = S.SIZES["tiny-s"]
     # The size's model reached train.py's step: the parameter count of its shape, both modes.

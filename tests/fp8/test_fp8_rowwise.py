@@ -194,6 +194,8 @@ def test_trainer_runs_three_steps(tmp_path):
         "precision.fp8_weight_residual=master",
         "precision.fp8_linear_scaling=row",
         f"output_dir={tmp_path}/r",
+        # No final checkpoint: the run's steps and validation are what this test reads.
+        "checkpoint.save_final=false",
     ]
     cfg = load_config(None, overrides)
     program = build_program(cfg, cfg.model)

@@ -17,6 +17,10 @@ import jax
 import pytest
 
 ON_GPU = jax.default_backend() == "gpu"
+# The test run compiles for the CPU with XLA's loop-fusion emitters (conftest.py); they may round
+# one element-wise chain differently in two programs that fuse it differently (one float32 ulp).
+# Comparisons of two launches bit for bit compile with XLA's default fusion emitters instead.
+CPU_DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 
 
 class Backend:
@@ -25,6 +29,13 @@ class Backend:
     @property
     def interpret(self) -> bool:
         return self.backend == "interpret"
+
+    @property
+    def bit_exact_options(self) -> dict | None:
+        """``jax.jit``'s ``compiler_options`` for programs whose results a test compares bit for
+        bit with another launch of the kernel: in interpret mode, XLA:CPU's own fusion emitters
+        (:data:`CPU_DEFAULT_EMITTERS`)."""
+        return CPU_DEFAULT_EMITTERS if self.interpret else None
 
 
 @pytest.mark.skipif(ON_GPU, reason="the compiled kernel runs on GPUs")

@@ -10,6 +10,7 @@ gradient).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 from pallas_kernels import dispatch, fp8_act, fp8_quant
 from pallas_kernels.sharding import KernelMesh, group_aligned_spec
 from tests.jaxprs import pallas_calls
+from tests.kernels.contract import CPU_DEFAULT_EMITTERS
 from tests.tiny_runs import tiny_run
 
 if jax.device_count() != 8:
@@ -200,7 +202,9 @@ def test_mesh_of_one_device_equals_no_mesh():
     (without a mesh on 8 devices "pallas" runs outside jit only: arrays on one device)."""
     params, grads = _tree(0), _tree(10, scale=1e-2)
     results = []
-    for mesh, step in ((None, lambda f: f), (ONE_DEVICE, jax.jit)):
+    # Compared bit for bit: XLA's default fusion emitters (tests/kernels/contract.py).
+    exact = functools.partial(jax.jit, compiler_options=CPU_DEFAULT_EMITTERS)
+    for mesh, step in ((None, lambda f: f), (ONE_DEVICE, exact)):
         tx = _optimizer(mesh)
         results.append(step(tx.update)(grads, tx.init(params), params))
     _equal(results[0], results[1])
@@ -414,11 +418,17 @@ def test_gathered_weight_codes_travel_as_fp8_not_float32():
 
 # --- the trainer ----------------------------------------------------------------------------
 
+# One configuration for both trainer tests, so that the 8-device step program the first one
+# compiles is loaded from the test run's compilation cache by the second: scanned layers whose MLP
+# weights are wide enough that some split their last axis (128 columns on each of 4 devices).
 TINY = [
-    *tiny_run(layers=1),
+    *tiny_run(intermediate=512, layers=2),
+    "memory.scan_layers=true",
+    "steps=6",
     "xla.compilation_cache_dir=null",
     "precision.compute_dtype=float32",
 ]
+EIGHT = ["mesh.data=2", "mesh.fsdp=4"]
 # The trainer's kernels in Pallas interpret mode, as a CPU needs (the test-only switch; this
 # module runs in a process of its own).
 os.environ[PALLAS_INTERPRET_ENV] = "1"
@@ -449,14 +459,7 @@ def _abstract(tree, shardings):
 def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothing():
     from coat_jax.training.program import build_program
 
-    # Scanned layers wide enough that some weights split their last axis (128 columns each).
-    cfg = _config(
-        "model.hidden_size=128",
-        "model.intermediate_size=512",
-        "model.num_hidden_layers=2",
-        "memory.scan_layers=true",
-        "mesh.fsdp=4",
-    )
+    cfg = _config(*EIGHT)
     program = build_program(cfg, cfg.model)
     params = _abstract(program.abstract_params, program.param_shardings)
     state = _abstract(program.abstract_opt_state, program.opt_shardings)
@@ -498,7 +501,7 @@ def test_trainer_step_runs_each_kernel_per_shard_and_its_optimizer_gathers_nothi
     # The forward and backward all-gather each FSDP-split linear weight as its FP8 codes
     # (XLA:CPU moves FP8 through collectives as f16), never as the float32 master or its
     # float32 or BF16 GEMM operand.
-    step_hlo = jax.jit(program.step_fn).lower(params, state, batch).compile().as_text()
+    step_hlo = program.step_fn.lower(params, state, batch).compile().as_text()
     # With fp8_weight_residual "once" the codes are a scan input: XLA gathers the [1, K, N]
     # slice of the stack before dropping its unit axis.
     stacked = [p.shape for p in jax.tree.leaves(program.abstract_params) if p.ndim == 3]
@@ -518,11 +521,9 @@ def test_train_on_8_devices_equals_one_device_with_the_kernels(tmp_path):
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     try:
         results = {}
-        for name, (data, fsdp) in (("one", (1, 1)), ("eight", (2, 4))):
+        for name, mesh in (("one", ["mesh.data=1", "mesh.fsdp=1"]), ("eight", EIGHT)):
             cfg = _config(
-                "steps=6",
-                f"mesh.data={data}",
-                f"mesh.fsdp={fsdp}",
+                *mesh,
                 f"output_dir={tmp_path / name}",
                 f"data.cache_dir={tmp_path / 'tokens'}",
             )
@@ -545,6 +546,6 @@ def test_train_on_8_devices_equals_one_device_with_the_kernels(tmp_path):
     )
     # tests/training/test_train.py::test_eight_devices_match_one's tolerances (8 devices add partial sums
     # in another order; Adam turns that into parameter steps of up to ~lr). Measured after 4
-    # steps: losses 2.6e-7 apart (relative), the parameter vector 2.8e-6.
+    # steps: losses 3.0e-7 apart (relative), the parameter vector 5.8e-6.
     assert worst < 1e-4
     assert rel < 5e-3

@@ -7,6 +7,8 @@ the group size (one contiguous group per row, with and without a ragged last blo
 one that is not (masked short groups).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,7 @@ def _update_rtol(dtype):
     return 1e-5 if jnp.dtype(dtype) == jnp.float32 else 2.0**-7
 
 
-def _step_fn(mode, spec, config=None):
+def _step_fn(mode, spec, config=None, compiler_options=None):
     """The kernel step as one jitted function of traced (grad, mu, nu, count)."""
 
     def step(g, mu, nu, count):
@@ -82,10 +84,10 @@ def _step_fn(mode, spec, config=None):
             **HYPER,
         )
 
-    return jax.jit(step)
+    return jax.jit(step, compiler_options=compiler_options)
 
 
-def _apply_fn(mode, config, kw):
+def _apply_fn(mode, config, kw, compiler_options=None):
     """The kernel's fused apply as one jitted function of traced (p, grad, mu, nu, count)."""
     return jax.jit(
         lambda p, g, mu, nu, count: ca.coat_adamw_apply(
@@ -98,7 +100,8 @@ def _apply_fn(mode, config, kw):
             interpret=mode == "interpret",
             config=config,
             **kw,
-        )
+        ),
+        compiler_options=compiler_options,
     )
 
 
@@ -395,7 +398,8 @@ class CoatAdamContract:
         bounds apply), in the update path and the fused apply."""
         mode = self.backend
         spec = ca.MomentSpec(expansion=expansion, nu_format="e5m2")
-        variant, default = _step_fn(mode, spec, config), _step_fn(mode, spec)
+        exact = self.bit_exact_options
+        variant, default = _step_fn(mode, spec, config, exact), _step_fn(mode, spec, None, exact)
         mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
         grads = _fixed_sign_grads(jax.random.key(11), shape, jnp.float32, 3)
         for t, g in enumerate(grads, start=1):
@@ -412,8 +416,8 @@ class CoatAdamContract:
         kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, **HYPER)
 
         p = jax.random.normal(jax.random.key(12), shape, jnp.float32)
-        got = _apply_fn(mode, config, kw)(p, grads[0], mu, nu, jnp.int32(4))
-        want = _apply_fn(mode, None, kw)(p, grads[0], mu, nu, jnp.int32(4))
+        got = _apply_fn(mode, config, kw, exact)(p, grads[0], mu, nu, jnp.int32(4))
+        want = _apply_fn(mode, None, kw, exact)(p, grads[0], mu, nu, jnp.int32(4))
         p_ref = ca.coat_adamw_apply_reference(p, grads[0], mu, nu, count=jnp.int32(4), **kw)[0]
         np.testing.assert_allclose(got[0], p_ref, rtol=1e-6, atol=3e-3 * 1e-5)
         if mode == "interpret":
@@ -613,8 +617,9 @@ class CoatAdamContract:
         nu = _stacked_moment(keys[3], (layers, *shape), "e5m2", spec, positive=True)
         kw = dict(count=jnp.int32(5), learning_rate=3e-3, weight_decay=0.1, spec=spec, **HYPER)
         interpret = mode == "interpret"
+        exact = functools.partial(jax.jit, compiler_options=self.bit_exact_options)
 
-        @jax.jit
+        @exact
         def stacked(p, g, mu, nu, index):
             return ca.coat_adamw_apply(
                 p,
@@ -628,18 +633,18 @@ class CoatAdamContract:
                 **kw,
             )
 
-        @jax.jit
+        @exact
         def alone(p, g, mu, nu):
             return ca.coat_adamw_apply(
                 p, g, mu, nu, implementation="pallas", interpret=interpret, config=config, **kw
             )
 
-        xla = jax.jit(
+        xla = exact(
             lambda p, g, mu, nu, index: ca.coat_adamw_apply(
                 p, g, mu, nu, index=index, implementation="xla", **kw
             )
         )
-        xla_alone = jax.jit(
+        xla_alone = exact(
             lambda p, g, mu, nu: ca.coat_adamw_apply(p, g, mu, nu, implementation="xla", **kw)
         )
         at = lambda tree, i: jax.tree.map(lambda x: x[i], tree)

@@ -16,8 +16,10 @@ import pytest
 from flax import nnx
 
 import coat_jax
+from coat_jax.convert import main as convert_main
 from coat_jax.fp8_ops import ops_for
 from coat_jax.generate import PROMPT_BUCKET, generate, generate_ids
+from coat_jax.generate import main as generate_main
 from coat_jax.llama import (
     KVCache,
     Llama,
@@ -156,13 +158,9 @@ SMOL_NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def smollm_hf(smollm_gguf, tmp_path_factory):  # noqa: F811
+    # In this process: the convert command line runs as a program in tests/model/test_convert.py.
     folder = tmp_path_factory.mktemp("smollm2_hf")
-    run = subprocess.run(
-        [sys.executable, "-m", "coat_jax.convert", "gguf-to-hf", smollm_gguf, str(folder)],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
+    assert convert_main(["gguf-to-hf", smollm_gguf, str(folder)]) == 0
     return folder
 
 
@@ -198,7 +196,7 @@ def test_smollm2_greedy_matches_transformers_generate(smollm_gguf, smollm_hf):  
     assert text == ours_tok.decode(got[0], skip_special_tokens=True)
 
 
-def test_generate_cli(smollm_gguf):  # noqa: F811
+def test_generate_cli(smollm_gguf, capsys):  # noqa: F811
     run = subprocess.run(
         [
             sys.executable,
@@ -214,10 +212,8 @@ def test_generate_cli(smollm_gguf):  # noqa: F811
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(SMOL_PROMPTS[0]) and len(run.stdout) > len(SMOL_PROMPTS[0]) + 2
-    bad = subprocess.run(
-        [sys.executable, "-m", "coat_jax.generate", os.devnull + ".gguf", "x"],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ")
-    assert len(bad.stderr.strip().splitlines()) == 1 and ";" in bad.stderr
+    # A bad source: the command's own function, in this process (the program runs above).
+    assert generate_main([os.devnull + ".gguf", "x"]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("error: ")
+    assert len(stderr.strip().splitlines()) == 1 and ";" in stderr

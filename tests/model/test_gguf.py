@@ -205,16 +205,26 @@ def corpus_text():
 
 @pytest.fixture(scope="module")
 def smollm(smollm_gguf, corpus_text):
-    """Our float32 SmolLM2, its tokenizer, and N_TOKENS tokens of Pride and Prejudice."""
+    """Our float32 SmolLM2, its tokenizer, and N_TOKENS tokens of Pride and Prejudice.
+
+    The layers are scanned: XLA compiles one layer body instead of 30 (the synthetic
+    files above load unrolled; tests/model/test_scan_remat.py holds the two layouts equal)."""
     tok = load_tokenizer(smollm_gguf)
     ids = tok(corpus_text[0][20000:26000])["input_ids"][:N_TOKENS]
     assert len(ids) == N_TOKENS
-    model = from_pretrained(smollm_gguf, dtype=jnp.float32)
+    model = from_pretrained(smollm_gguf, dtype=jnp.float32, scan_layers=True)
     return model, tok, np.asarray([ids], np.int32)
 
 
 def _logprobs(model, ids) -> np.ndarray:
     return np.asarray(jax.nn.log_softmax(jax.jit(lambda m, x: m(x))(model, ids), axis=-1))
+
+
+@pytest.fixture(scope="module")
+def smollm_logprobs(smollm):
+    """The float32 model's log-probabilities of every next token."""
+    model, _, ids = smollm
+    return _logprobs(model, jnp.asarray(ids))
 
 
 def _target_logprobs(logprobs, ids) -> np.ndarray:
@@ -244,19 +254,19 @@ def test_smollm2_tokenizer_matches_transformers(smollm, smollm_gguf, corpus_text
     assert (ours.bos_token, ours.eos_token) == (reference.bos_token, reference.eos_token)
 
 
-def test_smollm2_logprobs_match_transformers(smollm, smollm_gguf):
+def test_smollm2_logprobs_match_transformers(smollm, smollm_gguf, smollm_logprobs):
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("transformers' GGUF loading needs accelerate (pip install accelerate)")
     import torch
     from transformers import AutoModelForCausalLM
 
-    model, _, ids = smollm
+    ids = smollm[2]
     folder, name = os.path.split(smollm_gguf)
     reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     want = np.asarray(
         jax.nn.log_softmax(torch_logits(reference.eval(), ids).astype(np.float32), axis=-1)
     )
-    got = _logprobs(model, jnp.asarray(ids))
+    got = smollm_logprobs
     diff = np.abs(got - want)
     print(f"SmolLM2 max |logprob diff| {diff.max():.3g}, on targets {_targ_max(got, want, ids)}")
     assert diff.max() <= 1e-3
@@ -267,9 +277,9 @@ def _targ_max(got, want, ids) -> float:
     return float(np.abs(_target_logprobs(got, ids) - _target_logprobs(want, ids)).max())
 
 
-def test_smollm2_perplexity_and_precision_modes(smollm):
+def test_smollm2_perplexity_and_precision_modes(smollm, smollm_logprobs):
     model32, _, ids = smollm
-    lp32 = _target_logprobs(_logprobs(model32, jnp.asarray(ids)), ids)
+    lp32 = _target_logprobs(smollm_logprobs, ids)
     ppl32 = float(np.exp(-lp32.mean()))
     # Without the q/k un-permutation this is about 230; a uniform guess would be 49152.
     assert 5.0 < ppl32 < 40.0, ppl32

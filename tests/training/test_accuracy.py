@@ -1,7 +1,6 @@
 """benchmarks/accuracy.py: the document split it relies on, its report, and a CPU smoke run."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -138,15 +137,16 @@ def test_report_figures_are_truncated_not_rounded():
     assert accuracy.gap_text(-0.2) == "-0.20"
 
 
-def test_tiny_smoke_run(tmp_path):
-    """The CI smoke test of the study: two modes, a few steps, the report and its plot."""
+def test_tiny_smoke_run(tmp_path, trainer_caches, monkeypatch):
+    """The CI smoke test of the study: two modes, a few steps, the report and its plot.
+    ``benchmarks/accuracy.py``'s command line, run in this process."""
     runs, out = tmp_path / "runs", tmp_path / "acc"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "accuracy.py"), "--tiny", "--steps", "6"]
-    cmd += ["--seeds", "0", "--modes", "bf16,coat", "--out", str(runs), "--results-dir", str(out)]
-    cmd += ["--override", f"data.cache_dir={tmp_path / 'cache'}", "xla.compilation_cache_dir=null"]
-    cmd += ["eval.at_start=true"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    args = ["--tiny", "--steps", "6", "--seeds", "0", "--modes", "bf16,coat"]
+    args += ["--out", str(runs), "--results-dir", str(out)]
+    args += ["--override", f"data.cache_dir={trainer_caches / 'tokens'}"]
+    args += ["xla.compilation_cache_dir=null", "eval.at_start=true"]
+    monkeypatch.chdir(tmp_path)
+    assert accuracy.main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["mode"], r["seed"], r["steps"]) for r in rows] == [("bf16", 0, 6), ("coat", 0, 6)]
     for r in rows:

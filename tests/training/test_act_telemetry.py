@@ -326,7 +326,8 @@ def test_outside_its_conds_it_reads_no_activation(layout, monkeypatch):
     through ``stop_gradient`` and, under a scanned remat, float32-to-float32
     ``reduce_precision``: identities, which compute nothing)."""
     cfg = config(*layout, "logging.telemetry=true")
-    on = sizes_outside_conds(step_jaxpr(build_program(cfg, cfg.model)).jaxpr)
+    step = step_jaxpr(build_program(cfg, cfg.model)).jaxpr
+    on = sizes_outside_conds(step)
     # The same step with the optimizer state's telemetry alone.
     with monkeypatch.context() as patch:
         patch.setattr(program_module, "activation_telemetry", lambda cfg: None)
@@ -340,7 +341,7 @@ def test_outside_its_conds_it_reads_no_activation(layout, monkeypatch):
     # alone, which JAX hoists out of the differentiated scan) and the final norm's; none makes
     # anything larger than a layer's summary (a constant the size of the scales would be made
     # on every step, computed or not).
-    conds = conds_outputs(step_jaxpr(build_program(cfg, cfg.model)).jaxpr)
+    conds = conds_outputs(step)
     assert len(conds) == 3 and max(max(sizes) for sizes in conds) <= 11, conds
 
 

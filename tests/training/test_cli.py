@@ -1,10 +1,10 @@
-"""train.py's command line (--help generated from the config, --print-config) and TensorBoard
-logging in MetricsLog."""
+"""train.py's command line (--help generated from the config, --print-config), run in this
+process (tests/training/test_train.py runs it as a process), and TensorBoard logging in
+MetricsLog."""
 
 from __future__ import annotations
 
 import struct
-import subprocess
 import sys
 
 import pytest
@@ -28,10 +28,9 @@ def test_every_config_key_is_described_and_no_stale_descriptions():
     assert by_name["optimizer.grad_clip"].type == "float or null"
 
 
-def test_train_help_lists_every_key_and_print_config_resolves():
-    help_text = subprocess.run(
-        [sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True
-    ).stdout
+def test_train_help_lists_every_key_and_print_config_resolves(train_py):
+    code, help_text, _ = train_py("--help")
+    assert code == 0
     for key in config_keys():
         assert f"\n  {key.name} " in help_text, key.name
     assert max(len(line) for line in help_text.splitlines()) <= 100
@@ -39,22 +38,15 @@ def test_train_help_lists_every_key_and_print_config_resolves():
         "model.hidden_size" in help_text and "int, 128: width of the residual stream" in help_text
     )
     overrides = ["steps=7", "optimizer.warmup_steps=1", "model.hidden_size=96", "mesh.fsdp=1"]
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--print-config", *overrides],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    printed = yaml.safe_load(proc.stdout)
+    code, out, err = train_py("--print-config", *overrides)
+    assert code == 0, err
+    printed = yaml.safe_load(out)
     assert printed == to_dict(load_config(REPO / "configs" / "default.yaml", overrides))
     assert printed["steps"] == 7 and printed["model"]["hidden_size"] == 96
 
 
-def test_removed_options_leave_the_help_and_are_refused_in_one_line():
-    help_text = subprocess.run(
-        [sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True
-    ).stdout
+def test_removed_options_leave_the_help_and_are_refused_in_one_line(train_py):
+    _, help_text, _ = train_py("--help")
     for removed in ("fp8_codes_barrier", "fp8_gemm_output", "interpret"):
         assert removed not in help_text, removed
     for override, replaced in [
@@ -62,25 +54,21 @@ def test_removed_options_leave_the_help_and_are_refused_in_one_line():
         ("fp8_gemm_output=float32", "always write BF16"),
         ("kernels=interpret", "use kernels=auto, xla or pallas"),
     ]:
-        proc = subprocess.run(
-            [sys.executable, "train.py", override], cwd=REPO, capture_output=True, text=True
-        )
-        assert proc.returncode == 2, (override, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
+        code, _, err = train_py(override)
+        assert code == 2, (override, err)
+        lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and replaced in lines[0], lines
 
 
-def test_a_yaml_syntax_error_is_one_line_and_exit_2(tmp_path):
+def test_a_yaml_syntax_error_is_one_line_and_exit_2(tmp_path, train_py):
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: 10\nmodel: [hidden_size: 64\n")
     with pytest.raises(ValueError, match="is not valid YAML at line 3, column 1") as info:
         load_config(bad, [])
     assert "\n" not in str(info.value)
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--config", str(bad)], cwd=REPO, capture_output=True, text=True
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    code, _, err = train_py("--config", str(bad))
+    assert code == 2, err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "not valid YAML" in lines[0] and str(bad) in lines[0], lines
     assert not (tmp_path / "runs").exists()
 

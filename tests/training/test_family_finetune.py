@@ -14,6 +14,7 @@ from coat_jax.convert import main as convert_main
 from coat_jax.llama import LlamaConfig
 from coat_jax.training import load_config, train
 from coat_jax.training.model import llama_config_dict, llama_config_from_dict
+from tests.tiny_runs import compilation_cache
 from tools.tiny_checkpoint import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def test_qwen2_fine_tunes_from_init_from_resumes_bit_for_bit_and_exports(tmp_pat
         overrides = [f"init_from={tmp_path / 'hf'}", f"output_dir={tmp_path / out}", *QUICK]
         overrides += [
             f"data.cache_dir={tmp_path}/tokens",
-            f"xla.compilation_cache_dir={tmp_path}/jax",
+            compilation_cache(f"{tmp_path}/jax"),
         ]
         return load_config(REPO / "configs" / "qwen2_tiny_finetune.yaml", [*overrides, *extra])
 

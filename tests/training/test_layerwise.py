@@ -8,6 +8,7 @@ cannot do with a message that names the fix.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -37,6 +38,13 @@ BASE = [
 def program(*extra):
     cfg = load_config(DEFAULT, [*BASE, *extra])
     return build_program(cfg, cfg.model)
+
+
+@functools.cache
+def shared_program(*extra):
+    """:func:`program`, built once per process for the tests that run it alike (its jitted
+    step then traces and compiles once)."""
+    return program(*extra)
 
 
 # What the layerwise step may differ from the plain one by on the CPU (see distances).
@@ -138,7 +146,7 @@ GPU_BOUNDS = {"first": 1e-4, "loss": 1e-3, "grad_norm": 1e-2, "params": 3e-2}
     ],
 )
 def test_equals_the_plain_step(extra):
-    plain = run_steps(program(*extra))
+    plain = run_steps(shared_program(*extra))
     layerwise = run_steps(program(*extra, "optimizer.in_backward=true"))
     assert_same_training(layerwise, plain, GPU_BOUNDS if ON_GPU else None)
     assert plain[2][0][0] > plain[2][-1][0]  # it trains
@@ -149,7 +157,8 @@ def test_equals_the_plain_step(extra):
 def test_the_gpu_bounds_catch_a_missed_update():
     # The negative control of the GPU's bounds (on the CPU): the plain step with one layer's
     # last update left out is far outside them.
-    prog = program("precision.mode=coat", "optimizer.name=coat_adamw")
+    # The plain step of test_equals_the_plain_step[coat].
+    prog = shared_program("precision.mode=coat", "optimizer.name=coat_adamw")
     plain, two = run_steps(prog), run_steps(prog, steps=2)
     layers = jax.tree.map(lambda a, b: a.at[0].set(b[0]), plain[0]["layers"], two[0]["layers"])
     missed = ({**plain[0], "layers": layers}, None, plain[2])
@@ -339,9 +348,8 @@ def test_what_needs_the_whole_gradient_is_refused(extra, message):
 
 
 @pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    root = tmp_path_factory.mktemp("caches")
-    return [f"data.cache_dir={root}/tokens", compilation_cache(f"{root}/jax")]
+def caches(trainer_caches):
+    return [f"data.cache_dir={trainer_caches}/tokens", compilation_cache(f"{trainer_caches}/jax")]
 
 
 def test_resume_is_bit_exact_and_other_checkpoints_are_refused(tmp_path, caches):
@@ -369,59 +377,75 @@ def test_resume_is_bit_exact_and_other_checkpoints_are_refused(tmp_path, caches)
 
 
 EIGHT_DEVICES = r"""
-import json
+import json, os
 import jax, jax.numpy as jnp, numpy as np
 from coat_jax.training import load_config
+from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
 from coat_jax.training.program import build_program
 from coat_jax.training.sharding import make_mesh
 
 args = json.loads(ARGS)
-out = {}
-for name, extra in (("plain", []), ("layerwise", ["optimizer.in_backward=true"])):
-    cfg = load_config(args["config"], args["overrides"] + extra)
-    prog = build_program(cfg, cfg.model, make_mesh(2, 4))
-    params = prog.init_params(jax.random.key(0))
-    state = prog.init_opt_state(params)
-    tokens = jax.random.randint(jax.random.key(1), prog.abstract_batch().shape, 0, 258, jnp.int32)
-    tokens = jax.device_put(tokens, prog.batch_sharding)
-    losses = []
-    for _ in range(2):
-        params, state, m = prog.step_fn(params, state, tokens)
-        losses.append(float(m["loss"]))
-    specs = {}
-    if name == "layerwise":
-        q = state.layers[0].mu_codes["layer"]["self_attn"]["q_proj"]
-        specs["mu_codes_q"] = [list(q.shape), [str(s) for s in q.sharding.spec]]
-        specs["param_q"] = [str(s) for s in params["layers"]["self_attn"]["q_proj"].sharding.spec]
-    flat = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(params)])
-    out[name] = dict(losses=losses, params=flat.tolist(), specs=specs)
-print("REPORT" + json.dumps(out))
+report = {}
+for case, (overrides, interpret) in args["cases"].items():
+    # The kernels' mode is fixed when build_program runs.
+    os.environ[PALLAS_INTERPRET_ENV] = "1" if interpret else "0"
+    out = report[case] = {}
+    for name, extra in (("plain", []), ("layerwise", ["optimizer.in_backward=true"])):
+        cfg = load_config(args["config"], overrides + extra)
+        prog = build_program(cfg, cfg.model, make_mesh(2, 4))
+        params = prog.init_params(jax.random.key(0))
+        state = prog.init_opt_state(params)
+        shape = prog.abstract_batch().shape
+        tokens = jax.random.randint(jax.random.key(1), shape, 0, 258, jnp.int32)
+        tokens = jax.device_put(tokens, prog.batch_sharding)
+        losses = []
+        for _ in range(2):
+            params, state, m = prog.step_fn(params, state, tokens)
+            losses.append(float(m["loss"]))
+        specs = {}
+        if name == "layerwise":
+            q = state.layers[0].mu_codes["layer"]["self_attn"]["q_proj"]
+            specs["mu_codes_q"] = [list(q.shape), [str(s) for s in q.sharding.spec]]
+            q_param = params["layers"]["self_attn"]["q_proj"]
+            specs["param_q"] = [str(s) for s in q_param.sharding.spec]
+        leaves = jax.tree.leaves(params)
+        flat = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves])
+        out[name] = dict(losses=losses, params=flat.tolist(), specs=specs)
+print("REPORT" + json.dumps(report))
 """
 
+# Each case: overrides, and whether the kernels run in Pallas interpret mode.
+EIGHT_DEVICE_CASES = {
+    "xla": ([], False),
+    "pallas-per-shard": (["kernels=auto", "model.num_hidden_layers=1"], True),
+    # The kernel steps each layer inside the stacks, per shard.
+    "pallas-in-place-per-shard": (
+        ["kernels=auto", *WHOLE_GROUPS, "data.seq_len=16", "optimizer.mu_format=e5m2"],
+        True,
+    ),
+}
 
-@pytest.mark.parametrize(
-    "extra, interpret",
-    [
-        ([], False),
-        (["kernels=auto", "model.num_hidden_layers=1"], True),
-        # The kernel steps each layer inside the stacks, per shard.
-        (["kernels=auto", *WHOLE_GROUPS, "data.seq_len=16", "optimizer.mu_format=e5m2"], True),
-    ],
-    ids=["xla", "pallas-per-shard", "pallas-in-place-per-shard"],
-)
-def test_eight_devices_match_the_plain_step(extra, interpret):
+
+def test_eight_devices_match_the_plain_step():
     """On a (data 2, fsdp 4) mesh; with the Pallas kernels (interpret mode) each runs per shard
-    under shard_map, coat_adamw's with one layer's partition specs."""
-    args = {"config": str(DEFAULT), "overrides": [*BASE, "precision.compute_dtype=float32", *extra]}
-    with pallas_interpret() if interpret else contextlib.nullcontext():
-        stdout = run_on_fake_devices(f"ARGS = {json.dumps(args)!r}\n" + EIGHT_DEVICES, timeout=600)
+    under shard_map, coat_adamw's with one layer's partition specs. Every case runs in one
+    process with 8 fake devices (the device count is fixed when JAX starts)."""
+    cases = {
+        case: ([*BASE, "precision.compute_dtype=float32", *extra], interpret)
+        for case, (extra, interpret) in EIGHT_DEVICE_CASES.items()
+    }
+    args = {"config": str(DEFAULT), "cases": cases}
+    stdout = run_on_fake_devices(f"ARGS = {json.dumps(args)!r}\n" + EIGHT_DEVICES, timeout=900)
     report = json.loads(stdout.split("REPORT", 1)[1])
-    plain, layerwise = report["plain"], report["layerwise"]
-    np.testing.assert_allclose(layerwise["losses"], plain["losses"], rtol=1e-5)
-    p, q = np.asarray(plain["params"]), np.asarray(layerwise["params"])
-    assert np.linalg.norm(p - q) / np.linalg.norm(p) < 1e-5
-    # The per-layer FP8 moments sit like their stacked parameter: layer axis whole, FSDP inside.
-    shape, spec = layerwise["specs"]["mu_codes_q"]
-    layers = 1 if "model.num_hidden_layers=1" in extra else 2
-    assert shape[0] == layers and spec[0] == "None" and "fsdp" in spec
-    assert layerwise["specs"]["param_q"] == spec
+    assert sorted(report) == sorted(EIGHT_DEVICE_CASES)
+    for case, (extra, _) in EIGHT_DEVICE_CASES.items():
+        plain, layerwise = report[case]["plain"], report[case]["layerwise"]
+        np.testing.assert_allclose(layerwise["losses"], plain["losses"], rtol=1e-5, err_msg=case)
+        p, q = np.asarray(plain["params"]), np.asarray(layerwise["params"])
+        assert np.linalg.norm(p - q) / np.linalg.norm(p) < 1e-5, case
+        # The per-layer FP8 moments sit like their stacked parameter: layer axis whole, FSDP
+        # inside.
+        shape, spec = layerwise["specs"]["mu_codes_q"]
+        layers = 1 if "model.num_hidden_layers=1" in extra else 2
+        assert shape[0] == layers and spec[0] == "None" and "fsdp" in spec, case
+        assert layerwise["specs"]["param_q"] == spec, case

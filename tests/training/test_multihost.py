@@ -245,9 +245,9 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
+def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, trainer_caches):
     # The token cache is written atomically: the three runs may race to write it.
-    cache = tmp_path / "tokens"
+    cache = trainer_caches / "tokens"
     port = _free_port()
     multi, single = tmp_path / "two_processes", tmp_path / "one_process"
     procs = {
@@ -307,11 +307,11 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
     assert two[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(tmp_path):
+def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(tmp_path, trainer_caches):
     # A signal that reaches process 1 only: without the processes' agreement process 1 alone
     # stops and saves, and both then wait for each other (in a collective, or in Orbax's save),
     # until the timeouts below.
-    cache, out = tmp_path / "tokens", tmp_path / "run"
+    cache, out = trainer_caches / "tokens", tmp_path / "run"
     # A shared compilation cache: the resumed run compiles less (about 10 s here).
     xla = f"xla.compilation_cache_dir={tmp_path / 'xla'}"
     procs = _two_processes(out, cache, ["steps=100000", xla])

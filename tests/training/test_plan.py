@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -19,8 +17,14 @@ def _cfg(*extra):
     )
 
 
-def test_plan_reports_xla_memory_that_grows_with_the_batch():
-    rows, largest, limit = plan_mod.plan_memory(_cfg(), [2, 8])
+@pytest.fixture(scope="module")
+def plan_2_8():
+    """The plan of batches 2 and 8."""
+    return plan_mod.plan_memory(_cfg(), [2, 8])
+
+
+def test_plan_reports_xla_memory_that_grows_with_the_batch(plan_2_8):
+    rows, largest, limit = plan_2_8
     assert limit is None and largest is None  # the CPU has no allocator limit
     small, big = rows
     assert (small.batch_size, big.batch_size) == (2, 8)
@@ -30,36 +34,28 @@ def test_plan_reports_xla_memory_that_grows_with_the_batch():
     assert small.fits is None
 
 
-def test_largest_batch_search_against_a_device_limit(monkeypatch):
-    cfg = _cfg()
-    (r2, r8), _, _ = plan_mod.plan_memory(cfg, [2, 8], search=False)
+def test_largest_batch_search_against_a_device_limit(monkeypatch, plan_2_8):
+    planned = {r.batch_size: r for r in plan_2_8[0]}
+    r2, r8 = planned[2], planned[8]
     # A limit between the two peaks: the largest fitting batch lies in [2, 8).
     monkeypatch.setattr(plan_mod, "device_limit", lambda: (r2.peak + r8.peak) // 2)
-    rows, largest, limit = plan_mod.plan_memory(cfg, [2])
+    rows, largest, limit = plan_mod.plan_memory(_cfg(), [2])
     assert 2 <= largest < 8
     by_batch = {r.batch_size: r for r in rows}
     assert by_batch[largest].fits and by_batch[largest].peak <= limit
     assert not by_batch[largest + 1].fits
 
 
-def test_train_py_plan_prints_a_table():
-    out = subprocess.run(
-        [sys.executable, "train.py", "--plan", "2", *TINY, "xla.compilation_cache_dir=null"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "memory plan" in out.stdout and "no memory limit" in out.stdout
+def test_train_py_plan_prints_a_table(train_py):
+    code, out, err = train_py("--plan", "2", *TINY, "xla.compilation_cache_dir=null")
+    assert code == 0, err[-2000:]
+    assert "memory plan" in out and "no memory limit" in out
     # Off the GPU the table says first that it is not a GPU plan, and names no bare peak.
-    assert out.stdout.startswith("NOT A GPU PLAN: the cpu backend reports no memory limit")
-    header = next(line for line in out.stdout.splitlines() if line.lstrip().startswith("batch"))
+    assert out.startswith("NOT A GPU PLAN: the cpu backend reports no memory limit")
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("batch"))
     assert "cpu peak" in header and "fits" not in header
-    bad = subprocess.run(
-        [sys.executable, "train.py", "--plan", "two"], cwd=REPO, capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+    code, _, err = train_py("--plan", "two")
+    assert code == 2 and err.startswith("error:")
 
 
 @pytest.mark.parametrize("batch", [0, -1])

@@ -9,7 +9,6 @@ kill, a second process), in this process otherwise.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -111,23 +110,6 @@ def wait_for(predicate, proc, timeout=120.0) -> None:
             proc.kill()
             pytest.fail(f"timed out waiting; trainer output:\n{proc.communicate()[0]}")
         time.sleep(0.05)
-
-
-def _load_train_script():
-    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_script = _load_train_script()
-
-
-def run_main(capsys, args) -> tuple[int, str]:
-    """train.py's main() in this process: its exit code and its stderr."""
-    capsys.readouterr()
-    code = train_script.main(args)
-    return code, capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- checkpointer
@@ -300,7 +282,7 @@ def test_skip_nonfinite_leaves_the_state_alone_on_a_bad_gradient():
 # ----------------------------------------------------------------------------- faults
 
 
-def test_kill_9_during_a_checkpoint_write_and_a_second_trainer(tmp_path, caches):
+def test_kill_9_during_a_checkpoint_write_and_a_second_trainer(tmp_path, caches, train_py):
     # The child trainer's write of checkpoint 8 never finishes, so it holds the lock (and
     # hangs at its next save, which waits for that one) until it is killed.
     run = (LONG, "checkpoint.every=4")
@@ -315,25 +297,21 @@ def test_kill_9_during_a_checkpoint_write_and_a_second_trainer(tmp_path, caches)
     )
     try:
         wait_for(marker.exists, first)
-        second = subprocess.run(
-            [sys.executable, "train.py", *mini_args(out, caches, *run)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        )
+        # The second trainer: train.py's command line, in this process.
+        code, _, err = train_py(*mini_args(out, caches, *run))
         assert first.poll() is None
         first.kill()
         first.wait(timeout=30)
     finally:
         if first.poll() is None:
             first.kill()
-    assert second.returncode == 2, second.stderr
-    assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
-    assert second.stderr.startswith(
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(
         f"error: OutputDirInUseError: output_dir {str(out)!r} is in use by another trainer "
         f"(pid {first.pid} on "
-    ), second.stderr
-    assert "wait for it to finish or stop it, or choose another output_dir" in second.stderr
+    ), err
+    assert "wait for it to finish or stop it, or choose another output_dir" in err
     # Step 8 is in Orbax's temporary directory, step 4 complete; the dead trainer's lock stays.
     names = step_dirs(out)
     assert "4" in names and "8" not in names and any(n.startswith("8.") for n in names), names
@@ -519,10 +497,10 @@ def file_digest(root) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_is_one_line_exit_code_2_and_changes_no_file(tmp_path, caches, capsys, case):
+def test_bad_input_is_one_line_exit_code_2_and_changes_no_file(tmp_path, caches, train_py, case):
     extra, message = _bad_inputs(tmp_path)[case]
     before = file_digest(tmp_path)
-    code, err = run_main(capsys, mini_args(tmp_path / "run", caches, "steps=4", *extra))
+    code, _, err = train_py(*mini_args(tmp_path / "run", caches, "steps=4", *extra))
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("error: "), err
     assert re.search(message, err), err
@@ -530,10 +508,10 @@ def test_bad_input_is_one_line_exit_code_2_and_changes_no_file(tmp_path, caches,
     assert file_digest(tmp_path) == before
 
 
-def test_a_diverged_run_exits_3_naming_the_newest_finite_checkpoint(tmp_path, caches, capsys):
+def test_a_diverged_run_exits_3_naming_the_newest_finite_checkpoint(tmp_path, caches, train_py):
     out = tmp_path / "run"
-    code, err = run_main(
-        capsys, mini_args(out, caches, LONG, "optimizer.learning_rate=1e6", "checkpoint.every=2")
+    code, _, err = train_py(
+        *mini_args(out, caches, LONG, "optimizer.learning_rate=1e6", "checkpoint.every=2")
     )
     assert code == 3, err
     assert err.count("\n") == 1 and err.startswith("error: DivergedError: "), err
@@ -550,11 +528,11 @@ def test_a_diverged_run_exits_3_naming_the_newest_finite_checkpoint(tmp_path, ca
     assert (out / "train.log").read_text().rstrip().endswith(err.strip())
 
 
-def test_skip_nonfinite_steps_skips_counts_and_then_stops(tmp_path, caches, capsys):
+def test_skip_nonfinite_steps_skips_counts_and_then_stops(tmp_path, caches, train_py):
     # learning_rate=1e6 makes every step from the 4th on non-finite; three are skipped.
     out = tmp_path / "run"
     args = mini_args(out, caches, LONG, "optimizer.learning_rate=1e6", "checkpoint.every=2")
-    code, err = run_main(capsys, [*args, "optimizer.skip_nonfinite_steps=3"])
+    code, _, err = train_py(*args, "optimizer.skip_nonfinite_steps=3")
     assert code == 3, err
     skipped = {r["step"]: r["skipped_steps"] for r in records(out)}
     first = min(s for s, n in skipped.items() if n == 1)

@@ -571,8 +571,8 @@ def test_no_record_holds_the_placeholders_of_a_step_not_computed(trainer_runs):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("caches"))
+def cache_dir(trainer_caches):
+    return str(trainer_caches)
 
 
 SHARDED = textwrap.dedent(

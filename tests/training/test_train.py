@@ -37,10 +37,9 @@ TINY = [*tiny_run(), "optimizer.learning_rate=3e-3", "eval.batches=2"]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
+def cache_dir(trainer_caches):
     """Token cache and JAX compilation cache shared by this module's runs (and subprocesses)."""
-    root = tmp_path_factory.mktemp("caches")
-    return str(root)
+    return str(trainer_caches)
 
 
 def cache_overrides(cache_dir) -> list[str]:
@@ -270,9 +269,19 @@ def test_train_py_reports_config_errors_without_traceback():
 # ----------------------------------------------------------------------------- the real step
 
 
-def test_tiny_coat_run_learns_and_writes_its_outputs(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    result = train(tiny(out, cache_dir, "steps=40", "eval.every=20"))
+# The 40-step run, evaluated every 20 steps, that test_tiny_coat_run_learns_and_writes_its_outputs
+# inspects and test_resume_is_bit_exact resumes in two pieces.
+RUN_40 = ("steps=40", "eval.every=20")
+
+
+@pytest.fixture(scope="module")
+def run_40(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("run_40") / "run"
+    return out, train(tiny(out, cache_dir, *RUN_40))
+
+
+def test_tiny_coat_run_learns_and_writes_its_outputs(run_40):
+    out, result = run_40
     curve = losses(out)
     assert sorted(curve) == list(range(1, 41))
     first, last = (
@@ -356,20 +365,21 @@ def test_fp8_codes_round_trip_orbax_bit_exactly(tmp_path):
         assert np.asarray(back[name]).view(np.uint8).tolist() == every_code.reshape(2, 128).tolist()
 
 
-def test_resume_is_bit_exact(tmp_path, cache_dir):
-    straight = train(tiny(tmp_path / "straight", cache_dir, "steps=40"))
-    first = train(tiny(tmp_path / "split", cache_dir, "steps=40"), stop_at=20)
+def test_resume_is_bit_exact(tmp_path, cache_dir, run_40):
+    straight_out, straight = run_40
+    # Stopped at step 20, just after its evaluation there.
+    first = train(tiny(tmp_path / "split", cache_dir, *RUN_40), stop_at=20)
     assert first.step == 20 and first.val_loss is None
     assert (tmp_path / "split" / "checkpoints" / "20").is_dir()
-    resumed = train(tiny(tmp_path / "split", cache_dir, "steps=40", "resume=true"))
+    resumed = train(tiny(tmp_path / "split", cache_dir, *RUN_40, "resume=true"))
     assert resumed.step == 40
-    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+    assert losses(tmp_path / "split") == losses(straight_out)
     assert tree_bytes(resumed.params) == tree_bytes(straight.params)
     assert tree_bytes(resumed.opt_state) == tree_bytes(straight.opt_state)
     assert resumed.val_loss == straight.val_loss
 
 
-def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_dir):
+def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_dir, good):
     """``xla.deterministic=true`` compiles with ``xla_gpu_deterministic_ops`` (a misspelt option would
     fail to compile here too); on the CPU, deterministic anyway, the run is the same bit for bit.
     On a GPU the option may choose other kernels, so the numbers are compared on the CPU only
@@ -382,8 +392,8 @@ def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_
     if jax.default_backend() != "cpu":
         pytest.skip("the same numbers with and without the option: the CPU only")
     det = train(cfg)
-    plain = train(tiny(tmp_path / "plain", cache_dir, "steps=6"))
-    assert losses(tmp_path / "det") == losses(tmp_path / "plain")
+    plain_out, plain = good  # the same run without the option
+    assert losses(tmp_path / "det") == losses(plain_out)
     assert tree_bytes(det.params) == tree_bytes(plain.params)
 
 
@@ -402,7 +412,9 @@ def test_the_step_and_the_evaluation_compile_with_compiler_options(monkeypatch, 
         prog.eval_fn.lower(params, windows).compile()
 
 
-def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch, tmp_path):
+def test_a_deterministic_step_that_fails_to_compile_names_the_option(
+    monkeypatch, tmp_path, cache_dir
+):
     """The first step failing under ``xla.deterministic=true`` (as BF16 steps did on the H200, an
     ``IndexError`` from absl while compiling) ends as a ``ValueError`` that names the option and
     the fix; without the option the error is left as it is."""
@@ -413,9 +425,9 @@ def test_a_deterministic_step_that_fails_to_compile_names_the_option(monkeypatch
 
     monkeypatch.setattr(run, "first_step", fails)
     with pytest.raises(ValueError, match="xla.deterministic=true.*Set xla.deterministic=false"):
-        train(tiny(tmp_path / "det", str(tmp_path), "steps=4", "xla.deterministic=true"))
+        train(tiny(tmp_path / "det", cache_dir, "steps=4", "xla.deterministic=true"))
     with pytest.raises(IndexError):
-        train(tiny(tmp_path / "plain", str(tmp_path), "steps=4"))
+        train(tiny(tmp_path / "plain", cache_dir, "steps=4"))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "coat"])
@@ -574,10 +586,15 @@ def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def good_run(tmp_path_factory, cache_dir):
+def good(tmp_path_factory, cache_dir):
+    """A finished 6-step run: its output_dir and its result."""
     out = tmp_path_factory.mktemp("good") / "run"
-    train(tiny(out, cache_dir, "steps=6"))
-    return out
+    return out, train(tiny(out, cache_dir, "steps=6"))
+
+
+@pytest.fixture(scope="module")
+def good_run(good):
+    return good[0]
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, cache_dir):

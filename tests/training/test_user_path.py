@@ -18,9 +18,10 @@ QUICKSTART = REPO / "docs" / "quickstart.md"
 # The quickstart's install: the library and the trainer's extra.
 QUICKSTART_EXTRAS = ("train",)
 QUICKSTART_INSTALL = 'pip install -e ".[train]"'
-# Appended to the train.py command: a short run with this test's own caches.
+# Appended to the train.py command: a short run of small batches with the tests' caches.
 SHORT_RUN = [
     "steps=20",
+    "data.batch_size=4",
     "optimizer.warmup_steps=2",
     "eval.every=10",
     "eval.batches=1",
@@ -80,20 +81,20 @@ def test_the_torch_extra_brings_what_transformers_runs_on():
     assert "torch" in _extra_only_modules()
 
 
-def _run(command, tmp_path, env=None) -> str:
+def _run(command, tmp_path, caches, env=None) -> str:
     command = command.replace("runs/quick", str(tmp_path / "quick"))
     argv = shlex.split(command)
     assert argv[0] == "python", command
     argv[0] = sys.executable
     if argv[1] == "train.py":
         argv += SHORT_RUN
-        argv += [f"data.cache_dir={tmp_path}/tokens", compilation_cache(f"{tmp_path}/jax")]
+        argv += [f"data.cache_dir={caches}/tokens", compilation_cache(f"{caches}/jax")]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
-def test_quickstart_commands_run(tmp_path):
+def test_quickstart_commands_run(tmp_path, trainer_caches):
     # CI has installed the package already (`pip install -e ".[test]"`), so the install lines
     # are the only ones not run here. The quickstart's own commands run with every package that
     # only another extra brings made unimportable: what a fresh QUICKSTART_INSTALL has.
@@ -107,9 +108,9 @@ def test_quickstart_commands_run(tmp_path):
     path = os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH")) if p)
     base_only = dict(os.environ, PYTHONPATH=path)
     train_out, export_out, ours_out = (
-        _run(c, tmp_path, base_only) for c in quickstart_commands()[1:]
+        _run(c, tmp_path, trainer_caches, base_only) for c in quickstart_commands()[1:]
     )
-    (hf_out,) = (_run(c, tmp_path) for c in quickstart_blocks()[1][1:])
+    (hf_out,) = (_run(c, tmp_path, trainer_caches) for c in quickstart_blocks()[1][1:])
     assert "done: step 20" in train_out
     assert "run-to-hf: wrote checkpoint step 20" in export_out and "byte tokenizer" in export_out
     for sampled in (hf_out, ours_out):

@@ -28,6 +28,7 @@ from coat_jax.training.data.settings import (
 )
 from coat_jax.training.data.sources import (
     DataSource,
+    TextFile,
     read_documents,
     read_source,
     resolve_path,
@@ -44,6 +45,7 @@ __all__ = [
     "InterleavedWindows",
     "MixtureOrder",
     "PackedWindows",
+    "TextFile",
     "TokenFiles",
     "Tokenizer",
     "TrainOrder",

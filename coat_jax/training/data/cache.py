@@ -21,13 +21,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from coat_jax.training.data.sources import read_source, source_digest
+from coat_jax.training.data.sources import TextFile, read_source, source_digest
 from coat_jax.training.data.tokenizer import Tokenizer
 
 CACHE_FORMAT = 2
@@ -121,6 +122,9 @@ def tokenize_to_cache(
 # memory holds one such chunk whatever the source's size.
 CHUNK_DOCUMENTS = 4096
 CHUNK_CHARS = 1 << 26
+# A split writes its tokens out once it holds this many (and at the end of each chunk), and
+# reads back a text file's validation tokens this many at a time.
+WRITE_TOKENS = 1 << 20
 
 
 def _chunks(documents):
@@ -135,20 +139,33 @@ def _chunks(documents):
         yield chunk
 
 
-def _encode(tokenizer: Tokenizer, documents) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(ids + [eos], loss targets)`` of each document; a chat's EOS is no target (the
-    template's end of turn is the assistant's)."""
+# A piece of a document: its ids and which are loss targets (None: every one).
+Piece = tuple[np.ndarray, "np.ndarray | None"]
+
+
+def _encode(tokenizer: Tokenizer, documents) -> list[Iterable[Piece]]:
+    """Each document's pieces, its end-of-sequence id last; a chat's EOS is no target (the
+    template's end of turn is the assistant's). A :class:`TextFile` is read and encoded a piece
+    at a time as its pieces are taken."""
     texts = [doc for _, doc, _ in documents if isinstance(doc, str)]
     encoded = iter(tokenizer.encode_many(texts))
+    eos = np.asarray([tokenizer.eos_id])
     out = []
     for name, doc, _ in documents:
         if isinstance(doc, str):
-            ids = np.concatenate([next(encoded), [tokenizer.eos_id]])
-            out.append((ids, np.ones(len(ids), dtype=bool)))
+            out.append([(next(encoded), None), (eos, None)])
+        elif isinstance(doc, TextFile):
+            out.append(_text_file_pieces(tokenizer, doc, eos))
         else:
             ids, assistant = tokenizer.encode_chat(doc, repr(name))
-            out.append((np.concatenate([ids, [tokenizer.eos_id]]), np.append(assistant, False)))
+            out.append([(ids, assistant), (eos, np.zeros(1, dtype=bool))])
     return out
+
+
+def _text_file_pieces(tokenizer: Tokenizer, doc: TextFile, eos: np.ndarray) -> Iterator[Piece]:
+    for ids in tokenizer.encode_pieces(doc.pieces()):
+        yield ids, None
+    yield eos, None
 
 
 def _is_held_out_record(index: int, val_fraction: float) -> bool:
@@ -157,27 +174,82 @@ def _is_held_out_record(index: int, val_fraction: float) -> bool:
 
 
 class _SplitWriter:
-    """Appends one split's documents to its token, document-start and loss files."""
+    """Appends one split's documents to its token, document-start and loss files, holding up to
+    ``WRITE_TOKENS`` tokens to write them with one call a file."""
 
     def __init__(self, folder: Path, split: str, dtype):
         self.dtype = dtype
-        self.files = [
-            open(folder / f"{split}{ext}", "wb") for ext in (".bin", ".docs.bin", ".loss.bin")
-        ]
+        self.paths = [folder / f"{split}{ext}" for ext in (".bin", ".docs.bin", ".loss.bin")]
+        self.files = [open(path, "wb") for path in self.paths]
         self.tokens = 0
+        # Where the held documents start, and their pieces; tokens before `written` are in the
+        # files.
+        self.starts: list[int] = []
+        self.held: list[Piece] = []
+        self.written = 0
 
-    def append(self, ids: np.ndarray, targets: np.ndarray) -> None:
-        if not len(ids):
-            return
+    def add(self, pieces: Iterable[Piece], start: bool = True) -> None:
+        """Appends a document's pieces; ``start``: notes where it starts (unless it has no
+        tokens)."""
+        first = self.tokens
+        for piece in pieces:
+            self.held.append(piece)
+            self.tokens += len(piece[0])
+            if self.tokens - self.written >= WRITE_TOKENS:
+                self.flush()
+        if start and self.tokens > first:
+            self.starts.append(first)
+
+    def flush(self) -> None:
         tokens, docs, loss = self.files
-        docs.write(np.int64(self.tokens).tobytes())
-        tokens.write(ids.astype(self.dtype).tobytes())
-        loss.write(targets.astype(np.uint8).tobytes())
-        self.tokens += len(ids)
+        if self.held:
+            ids = [piece[0] for piece in self.held]
+            tokens.write(np.concatenate(ids, dtype=self.dtype, casting="unsafe"))
+            targets = np.ones(self.tokens - self.written, dtype=np.uint8)
+            at = 0
+            for piece_ids, piece_targets in self.held:
+                if piece_targets is not None:
+                    targets[at : at + len(piece_ids)] = piece_targets
+                at += len(piece_ids)
+            loss.write(targets)
+        docs.write(np.asarray(self.starts, dtype=np.int64))
+        for f in self.files:
+            f.flush()
+        self.starts, self.held, self.written = [], [], self.tokens
+
+    def move_tail(self, cut: int, other: _SplitWriter) -> None:
+        """Moves this split's tokens from ``cut`` on to the end of ``other``, as one document,
+        reading them back from the files ``WRITE_TOKENS`` at a time."""
+        self.flush()
+        size = np.dtype(self.dtype).itemsize
+        tail = (
+            (
+                np.fromfile(self.paths[0], self.dtype, WRITE_TOKENS, offset=at * size),
+                np.fromfile(self.paths[2], np.uint8, WRITE_TOKENS, offset=at),
+            )
+            for at in range(cut, self.tokens, WRITE_TOKENS)
+        )
+        other.add(tail)
+        for f, itemsize in ((self.files[0], size), (self.files[2], 1)):
+            f.truncate(cut * itemsize)
+            f.seek(0, os.SEEK_END)
+        self.tokens = self.written = cut
 
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+
+def _add_text(pieces, train: _SplitWriter, val: _SplitWriter, val_fraction: float) -> None:
+    """Appends a text file's document, the first ``1 - val_fraction`` of its tokens to train and
+    the rest to val; the tokens go to train as they come (the count is known at the end only)
+    and the rest moves to val."""
+    start = train.tokens
+    train.add(pieces, start=False)
+    cut = start + int(round((train.tokens - start) * (1.0 - val_fraction)))
+    train.move_tail(cut, val)
+    if cut > start:
+        train.starts.append(start)
 
 
 def _write_cache(
@@ -203,10 +275,10 @@ def _write_cache(
             splits[name] = _SplitWriter(tmp, name, dtype)
         names, held, records, chat = [], 0, 0, False
         for chunk in _chunks(read_source(data_path, text_field)):
-            for (name, doc, is_record), (ids, targets) in zip(
+            for (name, doc, is_record), pieces in zip(
                 chunk, _encode(tokenizer, chunk), strict=True
             ):
-                chat = chat or not isinstance(doc, str)
+                chat = chat or isinstance(doc, list)
                 if held_out:
                     names.append(name)
                     to_val = name in held_out
@@ -215,11 +287,11 @@ def _write_cache(
                     to_val = _is_held_out_record(records, val_fraction)
                     records += 1
                 else:
-                    cut = int(round(len(ids) * (1.0 - val_fraction)))
-                    splits["train"].append(ids[:cut], targets[:cut])
-                    splits["val"].append(ids[cut:], targets[cut:])
+                    _add_text(pieces, splits["train"], splits["val"], val_fraction)
                     continue
-                splits["val" if to_val else "train"].append(ids, targets)
+                splits["val" if to_val else "train"].add(pieces)
+            for split in splits.values():
+                split.flush()
             bar.update(len(chunk))
             tokens = splits["train"].tokens + splits["val"].tokens
             bar.set_postfix_str(f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s")

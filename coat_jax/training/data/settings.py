@@ -61,7 +61,7 @@ def planned_data_flags(cfg) -> tuple[bool, bool]:
     from every document as it tokenizes (a source whose first document is plain text and a later
     one a chat is planned as plain text)."""
     chat = any(
-        not isinstance(next(read_source(s.path, s.text_field or cfg.text_field))[1], str)
+        isinstance(next(read_source(s.path, s.text_field or cfg.text_field))[1], list)
         for s in data_sources(cfg)
     )
     return chat, within_documents(cfg, chat)

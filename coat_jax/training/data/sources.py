@@ -4,13 +4,15 @@ A source is a path: a ``.txt``/``.md`` file, a tar archive of text files, a ``.j
 (an array of records), ``.parquet`` or ``.arrow`` file, a folder holding any of these, a glob
 pattern (``data/*.jsonl``), or a folder written by Hugging Face ``datasets.save_to_disk``. A
 folder reads its files of these kinds, but ``.json`` files only when named or globbed. A text
-file is one document; a record is one document, its ``text_field`` a plain text or, for a
-record without that field, a ``messages`` list (``role``/``content``) of a chat
+file is one document (one larger than ``STREAMED_TEXT_BYTES`` is read a piece at a time as it
+is tokenized: a :class:`TextFile`); a record is one document, its ``text_field`` a plain text
+or, for a record without that field, a ``messages`` list (``role``/``content``) of a chat
 (docs/data.md). Every error names the file and the record (line or row) and the fix.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import hashlib
@@ -27,9 +29,53 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 TEXT_SUFFIXES = (".txt", ".md")
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# A text file larger than this is read TEXT_PIECE_BYTES at a time as it is tokenized, so that
+# memory holds a piece of it, not the whole file (docs/data.md, "The token cache"). A smaller
+# one is read whole: the cache's chunk of documents may hold as many characters, and a Hugging
+# Face tokenizer encodes whole files several at once, on every core.
+STREAMED_TEXT_BYTES = 1 << 26
+TEXT_PIECE_BYTES = 1 << 20
 
-# A document's value: its text, or a chat's messages.
-Document = tuple[str, "str | list[dict[str, str]]"]
+
+@dataclasses.dataclass(frozen=True)
+class TextFile:
+    """A text file's document read a piece at a time: a file larger than
+    ``STREAMED_TEXT_BYTES``.
+
+    ``pieces()`` decodes the file ``TEXT_PIECE_BYTES`` bytes at a time; a character whose UTF-8
+    bytes a piece's edge cuts is completed from the next piece, so the pieces join to the
+    file's text, and a file that is not UTF-8 fails as decoding it whole would, naming the same
+    byte.
+    """
+
+    path: Path
+
+    def pieces(self) -> Iterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset = 0
+        with open(self.path, "rb") as fh:
+            while True:
+                raw = fh.read(TEXT_PIECE_BYTES)
+                held = len(decoder.getstate()[0])
+                try:
+                    text = decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(
+                        repr(str(self.path)), offset - held + e.start, e.reason
+                    ) from None
+                offset += len(raw)
+                if text:
+                    yield text
+                if not raw:
+                    return
+
+    def read(self) -> str:
+        return "".join(self.pieces())
+
+
+# A document's value: its text, a large text file's (read as it is tokenized), or a chat's
+# messages.
+Document = tuple[str, "str | TextFile | list[dict[str, str]]"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +163,18 @@ def source_digest(path: str, text_field: str) -> str:
 
 
 def read_documents(path: str | Path, text_field: str = "text") -> list[Document]:
-    """Reads ``(name, document)`` pairs of a source, in order; empty texts are left out."""
-    return [(name, doc) for name, doc, _ in read_source(path, text_field)]
+    """Reads ``(name, document)`` pairs of a source, in order, a text file's text whole; empty
+    texts are left out."""
+    return [
+        (name, doc.read() if isinstance(doc, TextFile) else doc)
+        for name, doc, _ in read_source(path, text_field)
+    ]
 
 
 def read_source(path: str | Path, text_field: str = "text") -> Iterator[tuple[str, Any, bool]]:
     """``(name, document, is_record)`` of a source, in order, one at a time (a record file is
-    read a line or a batch of rows at a time); empty texts are left out.
+    read a line or a batch of rows at a time, a text file larger than ``STREAMED_TEXT_BYTES``
+    given as a :class:`TextFile` to read a piece at a time); empty texts are left out.
 
     A text file's name is its path relative to the source's folder (a tar member's, its name in
     the archive); a record's is its file's name and ``:LINE`` (JSON Lines) or ``:ROW``
@@ -143,9 +194,9 @@ def read_source(path: str | Path, text_field: str = "text") -> Iterator[tuple[st
         elif tarfile.is_tarfile(f):
             docs = _read_tar(f)
         else:
-            docs = [(name, _utf8(f.read_bytes(), repr(str(f))), False)]
+            docs = [(name, _text_file(f), False)]
         for doc in docs:
-            if not isinstance(doc[1], str) or doc[1].strip():
+            if _has_text(doc[1]):
                 found = True
                 yield doc
     if not found:
@@ -163,14 +214,33 @@ def _read_tar(f: Path) -> Iterator[tuple[str, str, bool]]:
             yield m.name, _utf8(raw, f"{m.name!r} in {str(f)!r}"), False
 
 
+def _text_file(f: Path) -> str | TextFile:
+    if f.stat().st_size > STREAMED_TEXT_BYTES:
+        return TextFile(f)
+    return _utf8(f.read_bytes(), repr(str(f)))
+
+
+def _has_text(document: str | TextFile | list) -> bool:
+    """Whether a document is more than whitespace (a chat always is)."""
+    if isinstance(document, str):
+        return bool(document) and not document.isspace()
+    if isinstance(document, TextFile):
+        return any(not piece.isspace() for piece in document.pieces())
+    return True
+
+
 def _utf8(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(
-            f"data file {where} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to "
-            "UTF-8 or leave it out of data_path"
-        ) from None
+        raise _not_utf8(where, e.start, e.reason) from None
+
+
+def _not_utf8(where: str, byte: int, reason: str) -> ValueError:
+    return ValueError(
+        f"data file {where} is not UTF-8 text (byte {byte}: {reason}); convert it to UTF-8 or "
+        "leave it out of data_path"
+    )
 
 
 def _read_records(f: Path, name: str, text_field: str) -> Iterator[Document]:

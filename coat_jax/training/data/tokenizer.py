@@ -11,7 +11,7 @@ with the end-of-sequence id instead, so the model learns where to stop.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -59,6 +59,16 @@ class Tokenizer:
         else:
             ids = self._tok.encode(text)
         return np.asarray(ids, dtype=np.int64)
+
+    def encode_pieces(self, pieces: Iterable[str]) -> Iterator[np.ndarray]:
+        """``encode`` of the text that ``pieces`` join to, in order. The byte tokenizer encodes
+        a piece at a time (a text's UTF-8 bytes are its pieces' bytes one after another), so a
+        large text is never whole in memory; any other tokenizer could tokenize differently at
+        the cut points, so it encodes the joined text at once."""
+        if isinstance(self._tok, ByteTokenizer):
+            yield from map(self.encode, pieces)
+        else:
+            yield self.encode("".join(pieces))
 
     def encode_many(self, texts: list[str], batch_chars: int = 1 << 26) -> Iterator[np.ndarray]:
         """``encode`` of each text, in order. A fast tokenizer encodes up to as many documents
