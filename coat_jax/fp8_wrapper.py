@@ -217,7 +217,7 @@ def fp8_state(
         for both moments; E5M2 for the second moment is the other recommended pair.
       group_size: values per quantization group (static: it fixes the state's shapes): that
         many consecutive values of a leaf's row-major flatten (of each slice along its
-        ``stacked_axes``), i.e. of one row where its last axis is a multiple of ``group_size``.
+        ``stacked_axes``), i.e. of one row where rows fill three quarters of their groups.
       expansion: Dynamic Range Expansion on (COAT) or off (absmax): one for all, or
         ``{"signed": ..., "nonnegative": ...}`` (a missing role gets ``True``).
       mask: which parameters' state is quantized, in optax's ``MaskOrFn`` convention (a tree

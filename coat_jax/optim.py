@@ -12,8 +12,8 @@ parameters. For a parameter quantized in FP8:
 * ``mu_codes`` / ``nu_codes``: the parameter's shape, ``float8_e4m3fn`` or ``float8_e5m2``;
 * ``mu_scale``, ``mu_expand``, ``mu_center`` (and ``nu_*``): float32, 3 floats per group of 128
   values (about 2.19 bytes per parameter for both moments, against 8 for float32 moments), shape
-  ``param.shape[:-1] + (n / group_size,)`` for a last axis of ``n``, a multiple of
-  ``group_size``. Other parameters are grouped over the flatten of each slice along their
+  ``param.shape[:-1] + (ceil(n / group_size),)`` for a last axis of ``n`` that fills at least
+  three quarters of its groups (``pallas_kernels.sharding.rows_keep_groups``). Other parameters are grouped over the flatten of each slice along their
   ``stacked_axes`` (``state_codec.group_view``; docs/design.md, 'Groups of 128'). Without
   expansion ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes).
 
@@ -167,8 +167,8 @@ def scale_by_coat_adam(
     then ``m`` and ``v`` are re-quantized per group of ``group_size`` values, with Dynamic Range
     Expansion (``expansion=True``) or plain absmax scaling. A group is ``group_size`` consecutive
     values of a parameter's row-major flatten (of each slice along its ``stacked_axes``); where
-    the last axis is a multiple of ``group_size`` that is ``group_size`` values of one row, as
-    in COAT's kernel (docs/design.md, 'Groups of 128').
+    rows fill at least three quarters of their groups, ``group_size`` values of one row, as in
+    COAT's kernel (docs/design.md, 'Groups of 128').
 
     Args:
       b1: decay of the first moment, in [0, 1).
@@ -187,7 +187,7 @@ def scale_by_coat_adam(
         group (static): an int, or a tree of ints like the parameters (or a function of them
         returning one); ``None`` or 0: the whole parameter. A scanned model passes 1 for its
         ``(layers, ...)`` stacks, so each layer is grouped as alone and a per-layer update of
-        the stack equals the whole's. Only a last axis not a multiple of ``group_size`` counts.
+        the stack equals the whole's. Only parameters grouped over a flatten are affected.
       implementation: ``"auto"`` (the Pallas kernel where it applies: on a GPU, with a
         power-of-two group size, on one device or with ``mesh`` given; jnp elsewhere),
         ``"xla"`` or ``"pallas"`` (on several devices without ``mesh``: concrete arrays run

@@ -10,10 +10,13 @@ itself, its statistics ``optax.MaskedNode()``.
 Groups are ``group_size`` consecutive values of the row-major flatten of each element of a
 parameter: the parameter itself, or with ``stacked_axes`` leading axes each slice along them (a
 scanned model's layers). They run along the last axis of the parameter's *group view*
-(:func:`group_view`), a reshape of it of the same rank: the parameter's own shape where its last
-axis is a multiple of ``group_size`` (each row its own groups, as COAT's kernel), otherwise
-``shape[:stacked_axes] + (1, ..., 1, m)`` with ``m`` the element's size, so that a narrow
-parameter fills whole groups. The statistics have the view's shape with its last axis counted in
+(:func:`group_view`), a reshape of it of the same rank: the parameter's own shape where its rows
+(its last axis) fill at least three quarters of their groups (``rows_keep_groups``) (each row its own groups, as COAT's
+kernel; a multiple of ``group_size`` fills them all), otherwise ``shape[:stacked_axes] + (1, ...,
+1, m)`` with ``m`` the element's size, so that a narrow parameter fills whole groups. Rows kept
+whole keep a column split of the parameter local to each shard; the three quarters bound the
+statistics' padding, so no shape of at least ``group_size`` values costs more than a third of a
+group's statistics over its fill. The statistics have the view's shape with its last axis counted in
 groups, ``view[:-1] + (ceil(view[-1] / group_size),)``, so a stored moment names its own view
 (:func:`view_of`) and a slice of a stack's fields is the slice's own state.
 
@@ -35,7 +38,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from coat_jax import quant
-from pallas_kernels.sharding import view_spec
+from pallas_kernels.sharding import rows_keep_groups, view_spec
 
 
 class StoredMoment(NamedTuple):
@@ -57,14 +60,14 @@ def group_view(shape: Sequence[int], stacked_axes: int, group_size: int) -> tupl
     Examples:
       >>> group_view((4096, 11008), 0, 128), group_view((512, 1), 0, 128)
       ((4096, 11008), (1, 512))
-      >>> group_view((4, 7, 129), 1, 128)
-      (4, 1, 903)
+      >>> group_view((4, 7, 129), 1, 128), group_view((64, 1000), 0, 128)
+      ((4, 1, 903), (64, 1000))
     """
     shape = tuple(shape)
     element = shape[stacked_axes:]
     if not element:
         return (*shape, 1)
-    if len(element) == 1 or shape[-1] % group_size == 0:
+    if len(element) == 1 or rows_keep_groups(shape[-1], group_size):
         return shape
     return (*shape[:stacked_axes], *(1,) * (len(element) - 1), math.prod(element))
 

@@ -114,6 +114,18 @@ def group_aligned_spec(
     return PartitionSpec(*entries)
 
 
+def rows_keep_groups(last: int, group_size: int) -> bool:
+    """Whether rows of ``last`` values keep their own quantization groups (the optimizer's group
+    view, ``coat_jax.state_codec.group_view``): they fill at least three quarters of them, which
+    bounds the padding of each row's last group. Narrower rows are grouped over a flatten.
+
+    Examples:
+      >>> rows_keep_groups(11008, 128), rows_keep_groups(1000, 128), rows_keep_groups(129, 128)
+      (True, True, False)
+    """
+    return 3 * -(-last // group_size) * group_size <= 4 * last
+
+
 def view_spec(spec: PartitionSpec, shape: tuple[int, ...], view: tuple[int, ...]) -> PartitionSpec:
     """The ``PartitionSpec`` of a tensor of ``shape`` split as ``spec``, for ``view``: a reshape
     of it of the same rank that flattens trailing axes into the last (a group view,
@@ -218,8 +230,8 @@ def fsdp_spec(
 
     An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
     quantization groups of ``group_size`` values run along) only when each shard's length is a
-    multiple of ``group_size``. Where ``group_size`` does not divide the last axis the groups run
-    over the flatten, and only its first axis of more than one value qualifies, when each
+    multiple of ``group_size``. Where rows do not keep their own groups (:func:`rows_keep_groups`)
+    the groups run over the flatten, and only its first axis of more than one value qualifies, when each
     shard's block of the flatten holds whole groups. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
     projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
     ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
@@ -234,10 +246,10 @@ def fsdp_spec(
     if fsdp_size == 1 or not shape:
         return PartitionSpec()
     last = len(shape) - 1
-    # Groups run over the flatten where group_size does not divide the last axis
-    # (coat_jax.state_codec.group_view): only a split of its first axis of more than one value
-    # keeps contiguous blocks of it, whose length must hold whole groups.
-    flat = len(shape) > 1 and shape[-1] % group_size != 0
+    # Groups run over the flatten where rows do not keep their own (rows_keep_groups): only a
+    # split of its first axis of more than one value keeps contiguous blocks of it, whose
+    # length must hold whole groups.
+    flat = len(shape) > 1 and not rows_keep_groups(shape[-1], group_size)
     first = next((i for i, d in enumerate(shape) if d > 1), 0)
     candidates = [
         i

@@ -27,6 +27,11 @@ SHAPES = [
     (512, 5),
     (64, 2, 3),
     (2, 3, 256),
+    # Rows that fill at least three quarters of their groups keep them.
+    (3, 200),
+    (40, 300),
+    (64, 1000),
+    (9, 576),
     (4096, 11008),
 ]
 
@@ -86,6 +91,11 @@ def test_group_views():
     assert view((4096, 11008), 0, 128) == (4096, 11008)
     assert view((32, 4096, 11008), 1, 128) == (32, 4096, 11008)
     assert view((300,), 0, 128) == (300,)
+    # Rows that fill three quarters of their groups keep them (a column split stays local).
+    assert view((64, 1000), 0, 128) == (64, 1000)
+    assert view((3, 288), 0, 128) == (3, 288)
+    assert view((3, 287), 0, 128) == (1, 861)
+    assert view((64, 64), 0, 128) == (1, 4096)
     assert view((512, 1), 0, 128) == (1, 512)
     assert view((4, 7, 129), 1, 128) == (4, 1, 903)
     assert view((4, 7, 129), 0, 128) == (1, 1, 3612)

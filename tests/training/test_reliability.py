@@ -174,11 +174,11 @@ def test_save_is_asynchronous_and_nonfinite_state_is_never_written(tmp_path, mon
 
 
 def test_fp8_state_grouped_along_the_last_axis_alone_is_refused_not_misread(tmp_path):
-    # A (4, 200) weight's moments were grouped along its last axis alone: statistics (4, 2).
-    # Grouped over its flatten they are (1, 7); such a checkpoint is refused before any read.
-    params = {"w": jnp.zeros((4, 200))}
+    # A (4, 64) weight's moments grouped along its last axis alone have statistics (4, 1);
+    # grouped over its flatten they are (1, 2): such a checkpoint is refused before any read.
+    params = {"w": jnp.zeros((4, 64))}
     state = coat_jax.coat_adamw(1e-3).init(params)
-    old = jax.tree.map(lambda x: jnp.ones((4, 2), x.dtype) if x.shape == (1, 7) else x, state)
+    old = jax.tree.map(lambda x: jnp.ones((4, 1), x.dtype) if x.shape == (1, 2) else x, state)
     ck = Checkpointer(tmp_path, keep=1, fingerprint={})
     ck.save(1, {"params": params, "opt_state": old}, data_position=0, seed=0)
     ck.wait()
@@ -189,7 +189,7 @@ def test_fp8_state_grouped_along_the_last_axis_alone_is_refused_not_misread(tmp_
     assert len(message.splitlines()) <= 2
     assert "start a new run with resume=false" in message
     assert (
-        "mu_center['w']: checkpoint has [[4, 2], 'float32'], this run expects [[1, 7], 'float32']"
+        "mu_center['w']: checkpoint has [[4, 1], 'float32'], this run expects [[1, 2], 'float32']"
         in message
     )
     ck.close()
