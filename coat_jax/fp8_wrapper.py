@@ -35,13 +35,15 @@ is still stored correctly, only in the other role's format.
 
 State layout (:class:`FP8State`): ``inner_state`` is ``inner``'s state with every quantized leaf
 replaced by its FP8 codes (the parameter's shape); ``scale``, ``expand`` and ``center`` have the
-same structure, holding the float32 per-group statistics (shape
-``param.shape[:-1] + (ceil(n / group_size),)``) at quantized leaves and ``optax.MaskedNode()``
-elsewhere (``expand``/``center`` also where expansion is off). Every leaf therefore sits at a key
-path ending in its parameter's key path, with its parameter's rank, so the trainer shards it like
-the parameter. A quantized leaf costs 1 byte per element plus 12 bytes per group of 128 with
-expansion (1.09 bytes per parameter), 4 bytes per group without (1.03); a leaf that FP8 would not
-shrink (a scalar, a last axis of at most 4 values: ``state_codec.fp8_pays``) stays as it is.
+same structure, holding the float32 per-group statistics at quantized leaves (shape
+``param.shape[:-1] + (n / group_size,)`` for a last axis ``n`` that ``group_size`` divides;
+otherwise the groups run over the flatten of each slice along ``stacked_axes``:
+``coat_jax.state_codec.group_view``) and ``optax.MaskedNode()`` elsewhere (``expand``/``center``
+also where expansion is off). Every leaf therefore sits at a key path ending in its parameter's
+key path, with its parameter's rank, so the trainer shards it like the parameter. A quantized
+leaf costs 1 byte per element plus 12 bytes per group of 128 with expansion (1.09 bytes per
+parameter), 4 bytes per group without (1.03); a leaf that FP8 would not shrink (a scalar, an
+element of at most 4 values: ``state_codec.fp8_pays``) stays as it is.
 
 The dequantized leaves ``inner.update`` sees are float32 whatever dtype ``inner.init`` gave them
 (a ``mu_dtype=bfloat16`` momentum is read back as float32 and stored as FP8 either way).
@@ -123,24 +125,35 @@ def _is_floating(leaf) -> bool:
     return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
-def _params_by_path(params, mask) -> dict[tuple, tuple[Any, bool]]:
-    """``{param key path: (param, wanted)}`` with ``wanted`` from the optax-style ``mask``."""
+class _Owner(NamedTuple):
+    param: Any
+    wanted: bool
+    stacked_axes: int
+
+
+def _params_by_path(params, mask, stacked_axes) -> dict[tuple, _Owner]:
+    """``{param key path: (param, wanted, stacked axes)}`` with ``wanted`` from the
+    optax-style ``mask``."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if mask is None:
         wanted = [True] * len(flat)
     else:
         wanted = state_codec.flatten_option(mask, params, treedef, name="mask", of="bools")
-    return {tuple(path): (p, bool(w)) for (path, p), w in zip(flat, wanted, strict=True)}
+    counts = state_codec.stacked_counts(stacked_axes, params, treedef)
+    return {
+        tuple(path): _Owner(p, bool(w), k)
+        for (path, p), w, k in zip(flat, wanted, counts, strict=True)
+    }
 
 
-def owner(path, by_path, longest) -> tuple[Any, bool, int]:
-    """``(param, wanted, n)``: the parameter whose full key path (of length ``n``) ends
-    ``path``, the longest such; ``(None, False, 0)`` when there is none."""
+def owner(path, by_path, longest) -> tuple[Any, int]:
+    """``(found, n)``: ``by_path``'s entry for the parameter whose full key path (of length
+    ``n``) ends ``path``, the longest such; ``(None, 0)`` when there is none."""
     for n in range(min(longest, len(path)), -1, -1):
         found = by_path.get(tuple(path[len(path) - n :]))
         if found is not None:
-            return (*found, n)
-    return None, False, 0
+            return found, n
+    return None, 0
 
 
 def _place(x, sharding):
@@ -150,15 +163,17 @@ def _place(x, sharding):
     return jax.device_put(x, sharding)
 
 
-def _quantize(x, codec: _Codec, group_size: int, expand_min) -> StoredMoment:
+def _quantize(x, view, codec: _Codec, group_size: int, expand_min) -> StoredMoment:
+    """``x`` quantized in its group view ``view``, stored in ``x``'s shape."""
     return state_codec.store(
         state_codec.quantize(
-            x,
+            x.reshape(view),
             fmt=codec.fmt,
             expansion=codec.expansion,
             group_size=group_size,
             expand_min=expand_min,
-        )
+        ),
+        x.shape,
     )
 
 
@@ -180,6 +195,7 @@ def fp8_state(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     expand_min: int = 16,
     nonnegative_fields: Collection[str] = NONNEGATIVE_FIELDS,
+    stacked_axes: int | Any | Callable[[optax.Params], Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Wraps any Optax optimizer so that its parameter-shaped state is stored in FP8 (COAT).
 
@@ -199,8 +215,9 @@ def fp8_state(
       formats: FP8 format of the quantized leaves, ``"e4m3"`` or ``"e5m2"``: one for all, or
         ``{"signed": ..., "nonnegative": ...}`` (a missing role gets ``"e4m3"``). COAT uses E4M3
         for both moments; E5M2 for the second moment is the other recommended pair.
-      group_size: values per quantization group along the last axis (static: it fixes the
-        state's shapes).
+      group_size: values per quantization group (static: it fixes the state's shapes): that
+        many consecutive values of a leaf's row-major flatten (of each slice along its
+        ``stacked_axes``), i.e. of one row where rows fill three quarters of their groups.
       expansion: Dynamic Range Expansion on (COAT) or off (absmax): one for all, or
         ``{"signed": ..., "nonnegative": ...}`` (a missing role gets ``True``).
       mask: which parameters' state is quantized, in optax's ``MaskOrFn`` convention (a tree
@@ -209,6 +226,11 @@ def fp8_state(
       expand_min: DRE's exponent is a multiple of ``1 / expand_min``.
       nonnegative_fields: state field names whose leaves are non-negative (second moments);
         every other quantized leaf is signed. Default :data:`NONNEGATIVE_FIELDS`.
+      stacked_axes: how many leading axes of each parameter index elements that never share a
+        group (static): an int, or a tree of ints like the parameters (or a function of them
+        returning one); ``None`` or 0: the whole parameter. A scanned model passes 1 for its
+        ``(layers, ...)`` stacks, so that each layer is grouped as it would be alone (see
+        :func:`coat_jax.coat_adamw`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an :class:`FP8State`
@@ -222,6 +244,13 @@ def fp8_state(
       >>> updates, state = tx.update({"w": jnp.full((4, 256), 0.5)}, state, params)
       >>> coat_jax.quantized_paths(state)
       [".inner_state[0].mu['w']"]
+
+      A stack of layers, grouped per layer (a ``(512, 1)`` weight alone fills 4 groups):
+
+      >>> tx = coat_jax.fp8_state(optax.lion(1e-4), stacked_axes=1)
+      >>> state = tx.init({"w": jnp.ones((2, 512, 1))})
+      >>> state.scale[0].mu["w"].shape
+      (2, 1, 4)
 
     References:
       Xi et al., "COAT: Compressing Optimizer States and Activation for Memory-Efficient FP8
@@ -253,29 +282,29 @@ def fp8_state(
 
     def init_fn(params):
         inner_state = inner.init(params)
-        by_path = _params_by_path(params, mask)
+        by_path = _params_by_path(params, mask, stacked_axes)
         longest = max((len(k) for k in by_path), default=0)
         # Where jit puts the leaves kept as they are (counts, ...) after an update: on the
         # parameters' mesh, replicated. Placing them there now keeps every leaf's sharding fixed.
         replicated = state_codec.replicated_like(jax.tree.leaves(params))
 
         def store(path, leaf):
-            param, wanted, n = owner(path, by_path, longest)
+            found, n = owner(path, by_path, longest)
+            param = None if found is None else found.param
             field = field_name(path[: len(path) - n])
             codec = codecs["nonnegative" if field in nonnegative else "signed"]
+            shape = getattr(leaf, "shape", None)
+            if param is None or shape != param.shape:
+                return state_codec.store(_place(leaf, replicated), shape)
+            view = state_codec.group_view(shape, found.stacked_axes, group_size)
             if (
-                not wanted
+                not found.wanted
                 or not _is_floating(leaf)
-                or leaf.shape != param.shape
-                or not state_codec.fp8_pays(leaf.shape, group_size, codec.expansion)
+                or not state_codec.fp8_pays(view, group_size, codec.expansion)
             ):
-                if param is not None and getattr(leaf, "shape", None) == param.shape:
-                    sharding = getattr(param, "sharding", None)
-                else:
-                    sharding = replicated
-                return state_codec.store(_place(leaf, sharding))
-            q = _quantize(leaf, codec, group_size, expand_min)
-            stat_sharding = state_codec.stat_sharding(param, q.scale.shape)
+                return state_codec.store(_place(leaf, getattr(param, "sharding", None)), shape)
+            q = _quantize(leaf, view, codec, group_size, expand_min)
+            stat_sharding = state_codec.stat_sharding(param, view, q.scale.shape)
             return StoredMoment(
                 _place(q.codes, getattr(param, "sharding", None)),
                 *(
@@ -295,9 +324,10 @@ def fp8_state(
 
         def store(new, codes, scale, expand):
             if isinstance(scale, optax.MaskedNode):
-                return state_codec.store(new)
+                return state_codec.store(new, getattr(new, "shape", None))
             codec = _Codec(quant.format_of(codes.dtype), not isinstance(expand, optax.MaskedNode))
-            return _quantize(new, codec, group_size, expand_min)
+            view = state_codec.view_of(codes.shape, scale.shape)
+            return _quantize(new, view, codec, group_size, expand_min)
 
         try:
             stored = jax.tree.map(store, new_inner, state.inner_state, state.scale, state.expand)

@@ -77,3 +77,12 @@ def is_stacked_layer(path) -> bool:
     kernels take from the model (``pallas_kernels.sharding.fsdp_param_spec(is_stacked=...)``)."""
     keys = [getattr(k, "key", None) for k in path]
     return len(keys) > 1 and keys[0] == "layers" and not isinstance(keys[1], int)
+
+
+def stacked_layer_axes(params):
+    """Per parameter, its number of stacked layer axes: 1 for a leaf of the scanned layout's
+    ``layers`` (:func:`is_stacked_layer`), 0 elsewhere. The FP8 optimizers' ``stacked_axes``
+    (``coat_jax.coat_adamw``, ``coat_jax.fp8_state``): each layer's state is then grouped as the
+    layer's alone, so the stacked state equals the unrolled layers' stacked, and a per-layer
+    update of it (``optimizer_in_backward``) equals the update of the whole."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: int(is_stacked_layer(path)), params)

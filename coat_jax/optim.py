@@ -10,15 +10,15 @@ State layout (:class:`ScaleByCoatAdamState`): every field but ``count`` is a tre
 parameters. For a parameter quantized in FP8:
 
 * ``mu_codes`` / ``nu_codes``: the parameter's shape, ``float8_e4m3fn`` or ``float8_e5m2``;
-* ``mu_scale``, ``mu_expand``, ``mu_center`` (and ``nu_*``): float32, shape
-  ``param.shape[:-1] + (ceil(n / group_size),)``, i.e. 3 floats per group of 128 values: about
-  2.19 bytes per parameter for both moments, against 8 for float32 moments. Without expansion
-  ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes per parameter).
+* ``mu_scale``, ``mu_expand``, ``mu_center`` (and ``nu_*``): float32, 3 floats per group of 128
+  values (about 2.19 bytes per parameter for both moments, against 8 for float32 moments), shape
+  ``param.shape[:-1] + (ceil(n / group_size),)`` for a last axis of ``n`` that fills at least
+  three quarters of its groups (``pallas_kernels.sharding.rows_keep_groups``). Other parameters are grouped over the flatten of each slice along their
+  ``stacked_axes`` (``state_codec.group_view``; docs/design.md, 'Groups of 128'). Without
+  expansion ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes).
 
-Groups are ``group_size`` consecutive values along the last axis; a last axis that is not a
-multiple of ``group_size`` ends in a shorter, zero-padded group. Parameters that FP8 would not
-shrink (``state_codec.fp8_pays``: scalars, empty arrays, a last axis of at most 4 values) and
-those ``fp8_mask`` excludes keep float32 moments in ``*_codes``, statistics ``optax.MaskedNode()``.
+Parameters FP8 would not shrink (``state_codec.fp8_pays``: scalars, empty arrays, elements of at
+most 4 values) and those ``fp8_mask`` excludes keep float32 moments in ``*_codes``.
 
 Sharded parameters (docs/sharding.md): on several devices the Pallas kernel runs on each shard
 through ``shard_map`` once the optimizer knows the mesh: ``coat_adamw(..., mesh=mesh)``, with each
@@ -139,42 +139,6 @@ def _static_group_size(group_size) -> int:
     return quant.check_group_size(group_size)
 
 
-def _quantized_flags(params, fp8_mask, spec: kernels.MomentSpec) -> list[bool]:
-    """Per leaf of ``params``: does it get FP8 moments (wanted, and smaller than float32)?"""
-    leaves, treedef = jax.tree.flatten(params)
-    if fp8_mask is None:
-        wanted = [True] * len(leaves)
-    else:
-        wanted = state_codec.flatten_option(fp8_mask, params, treedef, name="fp8_mask", of="bools")
-    pays = [state_codec.fp8_pays(p.shape, spec.group_size, spec.expansion) for p in leaves]
-    return [bool(w) and f for w, f in zip(wanted, pays, strict=True)]
-
-
-def _init_moment(param, fmt: str, spec: kernels.MomentSpec, expand_min) -> quant.QuantizedTensor:
-    """The quantized form of an all-zero moment, placed like ``param``."""
-    n = param.shape[-1]
-    stat_shape = (*param.shape[:-1], quant.num_groups(n, spec.group_size))
-    # What quantizing one all-zero group gives: the state starts as exactly quantize(0).
-    zero = state_codec.quantize(
-        jnp.zeros((spec.group_size,), jnp.float32),
-        fmt=fmt,
-        expansion=spec.expansion,
-        group_size=spec.group_size,
-        expand_min=expand_min,
-    )
-    sharding = state_codec.stat_sharding(param, stat_shape)
-
-    def stat(value):
-        return jnp.full(stat_shape, value[0], jnp.float32, device=sharding)
-
-    codes = jnp.zeros_like(param, dtype=quant.FORMATS[fmt])
-    if not spec.expansion:
-        return zero.replace(codes=codes, scale=stat(zero.scale))
-    return zero.replace(
-        codes=codes, scale=stat(zero.scale), expand=stat(zero.expand), center=stat(zero.center)
-    )
-
-
 def scale_by_coat_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -186,6 +150,7 @@ def scale_by_coat_adam(
     mu_format: str = "e4m3",
     nu_format: str = "e4m3",
     fp8_mask: Any | Callable[[optax.Params], Any] | None = None,
+    stacked_axes: int | Any | Callable[[optax.Params], Any] | None = None,
     implementation: str = "auto",
     interpret: bool = False,
     mesh: Mesh | None = None,
@@ -199,8 +164,11 @@ def scale_by_coat_adam(
         v = b2 v + (1 - b2) g g
         update = m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps)
 
-    then ``m`` and ``v`` are re-quantized per group of ``group_size`` values along the last axis,
-    with Dynamic Range Expansion (``expansion=True``) or plain absmax scaling.
+    then ``m`` and ``v`` are re-quantized per group of ``group_size`` values, with Dynamic Range
+    Expansion (``expansion=True``) or plain absmax scaling. A group is ``group_size`` consecutive
+    values of a parameter's row-major flatten (of each slice along its ``stacked_axes``); where
+    rows fill at least three quarters of their groups, ``group_size`` values of one row, as in
+    COAT's kernel (docs/design.md, 'Groups of 128').
 
     Args:
       b1: decay of the first moment, in [0, 1).
@@ -215,6 +183,11 @@ def scale_by_coat_adam(
       fp8_mask: which parameters get FP8 moments, in optax's ``MaskOrFn`` convention (a tree of
         bools like the parameters, or a function of the parameters returning one). ``None``:
         all of them. Masked-out ones and those FP8 would not shrink keep float32 moments.
+      stacked_axes: how many leading axes of a parameter index elements that never share a
+        group (static): an int, or a tree of ints like the parameters (or a function of them
+        returning one); ``None`` or 0: the whole parameter. A scanned model passes 1 for its
+        ``(layers, ...)`` stacks, so each layer is grouped as alone and a per-layer update of
+        the stack equals the whole's. Only parameters grouped over a flatten are affected.
       implementation: ``"auto"`` (the Pallas kernel where it applies: on a GPU, with a
         power-of-two group size, on one device or with ``mesh`` given; jnp elsewhere),
         ``"xla"`` or ``"pallas"`` (on several devices without ``mesh``: concrete arrays run
@@ -241,6 +214,14 @@ def scale_by_coat_adam(
       >>> params = {"w": jnp.ones((4, 256))}
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.full((4, 256), 0.5)}, state, params)
+
+      A narrow parameter fills whole groups of its flatten; a stack of layers is grouped per
+      layer with ``stacked_axes``:
+
+      >>> tx = coat_jax.scale_by_coat_adam(stacked_axes={"w": 0, "layers": 1})
+      >>> state = tx.init({"w": jnp.ones((512, 1)), "layers": jnp.ones((2, 7, 129))})
+      >>> state.mu_scale["w"].shape, state.mu_scale["layers"].shape
+      ((1, 4), (2, 1, 8))
     """
     _check_decay("b1", b1)
     _check_decay("b2", b2)
@@ -264,20 +245,23 @@ def scale_by_coat_adam(
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)
-        flags = _quantized_flags(params, fp8_mask, spec)
+        views = state_codec.fp8_views(
+            params, fp8_mask, stacked_axes, group_size=spec.group_size, expansion=spec.expansion
+        )
+        codec = dict(expansion=spec.expansion, group_size=spec.group_size, expand_min=expand_min)
         mus, nus = [], []
-        for p, quantized in zip(leaves, flags, strict=True):
-            if quantized:
-                mus.append(_init_moment(p, spec.mu_format, spec, expand_min))
-                nus.append(_init_moment(p, spec.nu_format, spec, expand_min))
+        for p, view in zip(leaves, views, strict=True):
+            if view is not None:
+                mus.append(state_codec.zero_moment(p, view, fmt=spec.mu_format, **codec))
+                nus.append(state_codec.zero_moment(p, view, fmt=spec.nu_format, **codec))
             else:
                 mus.append(jnp.zeros_like(p, dtype=jnp.float32))
                 nus.append(jnp.zeros_like(p, dtype=jnp.float32))
         count = jnp.zeros([], jnp.int32, device=state_codec.replicated_like(leaves))
-        return _state_from_leaves(count, treedef, mus, nus)
+        shapes = [p.shape for p in leaves]
+        return _state_from_leaves(count, treedef, mus, nus, shapes)
 
     def step(updates, state, params=None, decay=None, grad_scale=None, index=None):
-        # See ScaleByCoatAdam.step.
         if grad_scale is not None and decay is None:
             raise ValueError("grad_scale is folded into the fused apply only: pass decay too")
         if index is not None and decay is None:
@@ -289,6 +273,8 @@ def scale_by_coat_adam(
             learning_rate, decays, ps = None, [None] * len(leaves), [None] * len(leaves)
         else:
             (learning_rate, decays), ps = decay, treedef.flatten_up_to(params)
+        # Where each parameter's moments are stored: its shape, or its stack's with index.
+        shapes = [g.shape if p is None else p.shape for g, p in zip(leaves, ps, strict=True)]
         out, mus, nus = [], [], []
         for g, p, wd, mu, nu, partition in zip(
             leaves,
@@ -346,7 +332,7 @@ def scale_by_coat_adam(
             out.append(u)
             mus.append(new_mu)
             nus.append(new_nu)
-        return treedef.unflatten(out), _state_from_leaves(new_count, treedef, mus, nus)
+        return treedef.unflatten(out), _state_from_leaves(new_count, treedef, mus, nus, shapes)
 
     def update_fn(updates, state, params=None):
         del params
@@ -405,9 +391,13 @@ def _named_format(name: str, fmt) -> str:
     return fmt
 
 
-def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
+def _state_from_leaves(count, treedef, mus, nus, shapes) -> ScaleByCoatAdamState:
+    """The state of moments ``mus``, ``nus`` of parameters (or stacks) of ``shapes``."""
+
     def field(moments, i):
-        return treedef.unflatten([state_codec.store(m)[i] for m in moments])
+        return treedef.unflatten(
+            [state_codec.store(m, shape)[i] for m, shape in zip(moments, shapes, strict=True)]
+        )
 
     return ScaleByCoatAdamState(
         count,
@@ -418,7 +408,8 @@ def _state_from_leaves(count, treedef, mus, nus) -> ScaleByCoatAdamState:
 
 def moments_of(state: ScaleByCoatAdamState, treedef, prefix: str, group_size: int) -> list:
     """The moments ``prefix`` (``"mu"`` or ``"nu"``) of ``state``, one per leaf of ``treedef``:
-    each a ``QuantizedTensor``, or the float32 moment (``coat_jax.state_codec.load``)."""
+    each a ``QuantizedTensor`` in its group view, or the float32 moment
+    (``coat_jax.state_codec.load``)."""
     fields = [getattr(state, f"{prefix}_{name}") for name in ("codes", "scale", "expand", "center")]
     per_field = [treedef.flatten_up_to(f) for f in fields]
     return [state_codec.load(*parts, group_size) for parts in zip(*per_field, strict=True)]
@@ -438,6 +429,7 @@ def coat_adamw(
     mu_format: str = "e4m3",
     nu_format: str = "e4m3",
     fp8_mask: Any | Callable[[optax.Params], Any] | None = None,
+    stacked_axes: int | Any | Callable[[optax.Params], Any] | None = None,
     implementation: str = "auto",
     interpret: bool = False,
     mesh: Mesh | None = None,
@@ -464,6 +456,7 @@ def coat_adamw(
       mu_format: see :func:`scale_by_coat_adam`.
       nu_format: see :func:`scale_by_coat_adam`.
       fp8_mask: see :func:`scale_by_coat_adam`.
+      stacked_axes: see :func:`scale_by_coat_adam`.
       implementation: see :func:`scale_by_coat_adam`.
       interpret: see :func:`scale_by_coat_adam`.
       mesh: see :func:`scale_by_coat_adam`.
@@ -495,6 +488,7 @@ def coat_adamw(
         mu_format=mu_format,
         nu_format=nu_format,
         fp8_mask=fp8_mask,
+        stacked_axes=stacked_axes,
         implementation=implementation,
         interpret=interpret,
         mesh=mesh,
@@ -590,10 +584,13 @@ def dequantized_moments(opt_state, *, group_size: int = DEFAULT_GROUP_SIZE):
     )
 
     def read(prefix):
+        # Each moment back in its codes' (the parameter's) shape from its group view.
+        codes = treedef.flatten_up_to(getattr(state, f"{prefix}_codes"))
+        moments = moments_of(state, treedef, prefix, group_size)
         return treedef.unflatten(
             [
-                m.dequantize() if isinstance(m, quant.QuantizedTensor) else m
-                for m in moments_of(state, treedef, prefix, group_size)
+                m.dequantize().reshape(c.shape) if isinstance(m, quant.QuantizedTensor) else m
+                for m, c in zip(moments, codes, strict=True)
             ]
         )
 

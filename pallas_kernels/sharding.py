@@ -114,6 +114,43 @@ def group_aligned_spec(
     return PartitionSpec(*entries)
 
 
+def rows_keep_groups(last: int, group_size: int) -> bool:
+    """Whether rows of ``last`` values keep their own quantization groups (the optimizer's group
+    view, ``coat_jax.state_codec.group_view``): they fill at least three quarters of them, which
+    bounds the padding of each row's last group. Narrower rows are grouped over a flatten.
+
+    Examples:
+      >>> rows_keep_groups(11008, 128), rows_keep_groups(1000, 128), rows_keep_groups(129, 128)
+      (True, True, False)
+    """
+    return 3 * -(-last // group_size) * group_size <= 4 * last
+
+
+def view_spec(spec: PartitionSpec, shape: tuple[int, ...], view: tuple[int, ...]) -> PartitionSpec:
+    """The ``PartitionSpec`` of a tensor of ``shape`` split as ``spec``, for ``view``: a reshape
+    of it of the same rank that flattens trailing axes into the last (a group view,
+    ``coat_jax.state_codec.group_view``, whose last axis the optimizer's groups run along).
+
+    The leading axes keep their splits; the flattened axis takes the split of the one flattened
+    axis that is split (of the first, each shard already holds a contiguous block of it; of a
+    later one, XLA re-lays the shards out, as :func:`group_aligned_spec` does), and is
+    replicated where several are.
+
+    Examples:
+      >>> view_spec(PartitionSpec("fsdp", None), (512, 5), (1, 2560))
+      P(None, 'fsdp')
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if tuple(view) == tuple(shape):
+        return PartitionSpec(*entries)
+    lead = 0
+    while shape[lead] == view[lead]:
+        lead += 1
+    split = [e for e in entries[lead:] if e is not None]
+    last = split[0] if len(split) == 1 else None
+    return PartitionSpec(*entries[:lead], *[None] * (len(view) - lead - 1), last)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelMesh:
     """Where the FP8 activation kernels' operands live (static and hashable, for ``FP8Config``).
@@ -193,7 +230,9 @@ def fsdp_spec(
 
     An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
     quantization groups of ``group_size`` values run along) only when each shard's length is a
-    multiple of ``group_size``. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
+    multiple of ``group_size``. Where rows do not keep their own groups (:func:`rows_keep_groups`)
+    the groups run over the flatten, and only its first axis of more than one value qualifies, when each
+    shard's block of the flatten holds whole groups. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
     projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
     ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
     rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
@@ -207,10 +246,20 @@ def fsdp_spec(
     if fsdp_size == 1 or not shape:
         return PartitionSpec()
     last = len(shape) - 1
+    # Groups run over the flatten where rows do not keep their own (rows_keep_groups): only a
+    # split of its first axis of more than one value keeps contiguous blocks of it, whose
+    # length must hold whole groups.
+    flat = len(shape) > 1 and not rows_keep_groups(shape[-1], group_size)
+    first = next((i for i, d in enumerate(shape) if d > 1), 0)
     candidates = [
         i
         for i, d in enumerate(shape)
-        if d % fsdp_size == 0 and (i < last or (d // fsdp_size) % group_size == 0)
+        if d % fsdp_size == 0
+        and (i < last or (d // fsdp_size) % group_size == 0)
+        and (
+            not flat
+            or (i == first and (d // fsdp_size) * math.prod(shape[i + 1 :]) % group_size == 0)
+        )
     ]
     if not candidates:
         return PartitionSpec()

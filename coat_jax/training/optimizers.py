@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 from optax import contrib
 
 from coat_jax.fp8_wrapper import fp8_state
+from coat_jax.llama_layout import stacked_layer_axes
 from coat_jax.optim import chain as optim_chain
 from coat_jax.optim import clip_by_global_norm, coat_adamw
 from coat_jax.training import sharding
@@ -204,13 +205,18 @@ def make_optimizer(
             mask=mask,
             mu_format=cfg.mu_format,
             nu_format=cfg.nu_format,
+            stacked_axes=stacked_layer_axes,
             **kernel_options(cfg),
             **placement,
         )
     else:
         tx = _inner_optimizer(cfg, schedule, mask)
         if cfg.fp8_state:
-            tx = fp8_state(tx, formats={"signed": cfg.mu_format, "nonnegative": cfg.nu_format})
+            tx = fp8_state(
+                tx,
+                formats={"signed": cfg.mu_format, "nonnegative": cfg.nu_format},
+                stacked_axes=stacked_layer_axes,
+            )
     if cfg.grad_clip is not None:
         # coat_jax.optim.chain keeps coat_adamw's fused apply behind the clipping, which it
         # folds into the kernel as a gradient scale.

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from coat_jax import state_codec
 from coat_jax.llama_layout import is_stacked_layer
 
 # The FSDP rule lives with the kernels that run on its shards; the model says which of its
@@ -74,6 +75,10 @@ def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
 def _follow(spec: PartitionSpec, param_shape, leaf_shape, mesh: Mesh) -> PartitionSpec:
     if len(leaf_shape) != len(param_shape):
         return PartitionSpec()
+    if tuple(leaf_shape) != tuple(param_shape) and 0 not in leaf_shape:
+        # Per-group statistics have the shape of the parameter's group view, counted in groups.
+        view = state_codec.view_of(param_shape, leaf_shape)
+        spec = state_codec.view_spec(spec, param_shape, view)
     entries = list(spec) + [None] * (len(leaf_shape) - len(spec))
     for i, name in enumerate(entries):
         if name is not None and leaf_shape[i] % mesh.shape[name]:

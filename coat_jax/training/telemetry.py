@@ -95,6 +95,7 @@ from coat_jax.training.telemetry_sample import (
     sample_of,
     sampled_rows,
     sampled_value,
+    stored_layout,
 )
 from pallas_kernels.coat_adam import adam_moments_and_update
 
@@ -213,31 +214,41 @@ class StateTelemetry:
         gs = self.group_size
         params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        kind, read = self._reader(opt_state, params)
+        # The stored moments' layout, from shapes alone: the reads themselves (a reshape of
+        # the codes to their group view) stay inside the computed branches.
+        layout = stored_layout(read, opt_state)
+        # A parameter is sampled in the group view its FP8 moments are stored in.
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        views = [p.shape for _, p in flat]
+        for s in layout:
+            if isinstance(s.moment, quant.QuantizedTensor):
+                views[s.param] = s.moment.shape
         plans = [
             SamplePlan.for_shape(
-                p.shape,
+                view,
                 stacked=is_stacked_layer(path),
                 rows=self.rows,
                 groups=self.groups,
                 group_size=gs,
             )
-            for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
+            for (path, _), view in zip(flat, views, strict=True)
         ]
-        kind, read = self._reader(opt_state, params)
-        old = read(opt_state)
-        fields = fp8_fields(old)
+        fields = fp8_fields(layout)
         sample = {}
         if self.replay and any(fields.values()):
-            sample = when(lambda: self._sample(kind, old, fields, plans, grads32, params32))
+            sample = when(
+                lambda: self._sample(kind, read(opt_state), fields, plans, grads32, params32)
+            )
         if sample:
             # The old state and the gradient are sampled before the update: the optimizer
             # overwrites the state in place (donated buffers, the Pallas kernel's aliasing),
             # and the barrier orders these reads before it, so no copy of the state is needed.
             grads, sample = lax.optimization_barrier((grads, sample))
         out, new_state = step(grads, opt_state, params)
-        new = read(new_state)
 
         def measure():
+            new = read(new_state)
             metrics = count_metrics(new, self.expand_min)
             if self.replay:
                 stored = {
@@ -245,7 +256,9 @@ class StateTelemetry:
                     for f, members in fields.items()
                     if members
                 }
-                exact = self._replay(kind, opt_state, params, old, fields, sample) if stored else {}
+                exact = (
+                    self._replay(kind, opt_state, params, layout, fields, sample) if stored else {}
+                )
                 metrics.update(error_metrics(new, fields, exact, stored, plans))
             return dict(sorted(metrics.items()))
 

@@ -30,6 +30,8 @@ class SamplePlan:
     """Which values of one tensor the relative error looks at (static: it only knows shapes).
 
     Attributes:
+      shape: the tensor's group view (``coat_jax.state_codec.group_view``; its own shape for
+        a moment kept in float32): the shape whose last axis the groups run along.
       row_slices: ``(axis, stride, count)`` per leading axis that is sampled: indices
         ``0, stride, ..., (count - 1) * stride``.
       group_stride, group_count: groups ``0, group_stride, ...`` along the last axis.
@@ -39,6 +41,7 @@ class SamplePlan:
         sample covers more densely).
     """
 
+    shape: tuple[int, ...]
     row_slices: tuple[tuple[int, int, int], ...]
     group_stride: int
     group_count: int
@@ -47,7 +50,7 @@ class SamplePlan:
 
     @classmethod
     def for_shape(cls, shape, *, stacked: bool, rows: int, groups: int, group_size: int):
-        """The plan of a tensor of ``shape`` (``None`` for scalars and empty arrays)."""
+        """The plan of a tensor grouped in ``shape`` (``None`` for scalars and empty arrays)."""
         if not shape or math.prod(shape) == 0:
             return None
         row_slices, budget = [], rows
@@ -63,12 +66,13 @@ class SamplePlan:
         per_row = sum(min(group_size, n - g * stride * group_size) for g in range(count))
         sampled = per_row * math.prod(shape[:-1]) // math.prod(shape[a] for a, _, _ in row_slices)
         sampled *= math.prod(c for _, _, c in row_slices)
-        return cls(tuple(row_slices), stride, count, group_size, math.prod(shape) / sampled)
+        weight = math.prod(shape) / sampled
+        return cls(tuple(shape), tuple(row_slices), stride, count, group_size, weight)
 
     def values(self, x: jax.Array) -> jax.Array:
-        """The sampled values of a parameter-shaped ``x``: ``[..., group_count * group_size]``
-        (a short last group zero-padded)."""
-        x_g = quant.to_groups(self._rows(x), self.group_size)
+        """The sampled values of a parameter-shaped ``x`` (or of ``x`` in the plan's shape):
+        ``[..., group_count * group_size]`` (a short last group zero-padded)."""
+        x_g = quant.to_groups(self._rows(x.reshape(self.shape)), self.group_size)
         x_g = self._groups(x_g, axis=x_g.ndim - 2)
         return x_g.reshape(*x_g.shape[:-2], self.group_count * self.group_size)
 
@@ -178,11 +182,11 @@ def optax_stored(
     ]
     param_flat = jax.tree_util.tree_flatten_with_path(params)[0]
     # fp8_state's owner lookup, here mapping each parameter's path to its index.
-    by_path = {tuple(path): (i, True) for i, (path, _) in enumerate(param_flat)}
+    by_path = {tuple(path): i for i, (path, _) in enumerate(param_flat)}
     longest = max((len(k) for k in by_path), default=0)
     found = []
     for pos, (path, leaf) in enumerate(flat):
-        index, _, n = owner(path, by_path, longest)
+        index, n = owner(path, by_path, longest)
         if index is None:
             continue
         p = param_flat[index][1]
@@ -194,6 +198,22 @@ def optax_stored(
         moment = leaf if s is None else state_codec.load(leaf, s, e, c, group_size)
         found.append((pos, Stored(field, index, moment)))
     return found
+
+
+def stored_layout(read, state) -> list[Stored]:
+    """``read(state)`` in shapes only (``jax.eval_shape``): each moment's field, parameter and
+    form (a :class:`~coat_jax.quant.QuantizedTensor` or an array of ``ShapeDtypeStruct``
+    leaves), without tracing a read into the caller's program."""
+    names = []
+
+    def moments(s):
+        stored = read(s)
+        # Field names and parameter indices are static: they leave the trace as they are.
+        names.extend((x.field, x.param) for x in stored)
+        return [x.moment for x in stored]
+
+    shapes = jax.eval_shape(moments, state)
+    return [Stored(f, i, m) for (f, i), m in zip(names, shapes, strict=True)]
 
 
 def find_inner(opt_state, structure) -> tuple[int, Any]:

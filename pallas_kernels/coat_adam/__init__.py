@@ -14,9 +14,13 @@ its state: every group lies on one shard, because the kernel runs under
 moves to another axis, or that axis is replicated). The hyper-parameters are a replicated operand.
 
 A moment travels as a :class:`pallas_kernels.quant.QuantizedTensor` made per group of
-``spec.group_size``: codes with the parameter's shape in a float8 dtype and float32 per-group
-statistics of shape ``param.shape[:-1] + (ceil(n / group_size),)``; ``expand`` and ``center`` are
-``None`` without Dynamic Range Expansion.
+``spec.group_size`` in the parameter's *group view*: the parameter's shape, or a reshape of it of
+the same rank whose last axis the groups run along (``coat_jax.state_codec.group_view``: a
+narrow parameter is grouped over its flatten). Its codes are in a float8 dtype, its float32
+per-group statistics of shape ``view[:-1] + (ceil(view[-1] / group_size),)``; ``expand`` and
+``center`` are ``None`` without Dynamic Range Expansion. The entry points take the parameter and
+its gradient in the parameter's shape: the reference steps them there and quantizes in the view,
+the kernel sees them reshaped to the view (free in memory).
 
 The kernel (Pallas, Triton backend) does the whole step in one pass over memory: it reads the
 gradient, both moments' codes and statistics, and writes the update, the new codes and the new

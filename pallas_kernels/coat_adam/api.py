@@ -10,10 +10,15 @@ from jax.sharding import Mesh, PartitionSpec
 from pallas_kernels import stacks
 from pallas_kernels.coat_adam.config import KernelConfig, MomentSpec
 from pallas_kernels.coat_adam.pallas_triton import hyper_vector
-from pallas_kernels.coat_adam.reference import coat_adam_step_reference, coat_adamw_apply_reference
+from pallas_kernels.coat_adam.reference import (
+    check_view,
+    coat_adam_step_reference,
+    coat_adamw_apply_reference,
+)
 from pallas_kernels.coat_adam.sharded import sharded_call
 from pallas_kernels.dispatch import dispatch
 from pallas_kernels.quant import QuantizedTensor
+from pallas_kernels.sharding import view_spec
 
 
 def _check_kernel_spec(spec: MomentSpec) -> None:
@@ -31,6 +36,13 @@ def _check_placement(mesh, partition) -> None:
             "mesh and partition go together: pass both (the parameter's PartitionSpec on that "
             f"mesh) or neither; got mesh={mesh!r}, partition={partition!r}"
         )
+
+
+def _in_view(grad, partition, view):
+    """The gradient and its split in the moments' group view ``view`` (a free reshape)."""
+    if partition is not None:
+        partition = view_spec(partition, grad.shape, view)
+    return grad.reshape(view), partition
 
 
 def coat_adam_step(
@@ -69,18 +81,27 @@ def coat_adam_step(
         implementation,
         interpret=interpret,
         mesh=mesh,
-        pallas=lambda: coat_adam_step_pallas(
-            grad,
-            mu,
-            nu,
-            interpret=interpret,
-            config=config,
-            mesh=mesh,
-            partition=partition,
-            **kwargs,
-        ),
+        pallas=lambda: _step_in_view(grad, mu, nu, interpret, config, mesh, partition, kwargs),
         xla=lambda: coat_adam_step_reference(grad, mu, nu, **kwargs),
     )[1]
+
+
+def _step_in_view(grad, mu, nu, interpret, config, mesh, partition, kwargs):
+    """:func:`coat_adam_step_pallas` on the gradient in the moments' group view, its update
+    back in the gradient's shape."""
+    check_view(grad.shape, mu, nu)
+    grad_v, partition = _in_view(grad, partition, mu.shape)
+    update, new_mu, new_nu = coat_adam_step_pallas(
+        grad_v,
+        mu,
+        nu,
+        interpret=interpret,
+        config=config,
+        mesh=mesh,
+        partition=partition,
+        **kwargs,
+    )
+    return update.reshape(grad.shape), new_mu, new_nu
 
 
 def coat_adam_step_pallas(
@@ -100,7 +121,8 @@ def coat_adam_step_pallas(
     partition: PartitionSpec | None = None,
 ) -> tuple[jax.Array, QuantizedTensor, QuantizedTensor]:
     """The fused kernel version of :func:`coat_adam_step_reference` (same arguments, same result
-    to float32 rounding; codes equal except at rounding ties).
+    to float32 rounding; codes equal except at rounding ties), with the gradient (and
+    ``partition``) in the moments' shape: :func:`coat_adam_step` reshapes them to it.
 
     ``interpret=True`` runs the kernel body through XLA (CPU tests); ``config`` sets the launch
     (``None``: :data:`DEFAULT_CONFIG`); ``mesh`` and ``partition`` run it on each shard. Raises
@@ -161,7 +183,8 @@ def coat_adamw_apply(
     Args:
       param: the parameter (float32 master weights, typically).
       grad: its gradient, the parameter's shape, any float dtype.
-      mu, nu: the quantized moments.
+      mu, nu: the quantized moments, in the parameter's group view (its shape or a reshape of
+        it, see :func:`coat_adam_step_reference`).
       count: the step number t, starting at 1.
       b1, b2, eps, expand_min, learning_rate, weight_decay: numeric hyper-parameters (traced
         values are fine: they reach the kernel as operands).
@@ -194,12 +217,15 @@ def coat_adamw_apply(
         raise TypeError(f"index must be an integer scalar, got {jnp.asarray(index).dtype}")
 
     def kernel(param, mu, nu, in_place):
+        # The kernel sees the parameter and its gradient in the moments' group view.
+        view = mu.shape[1:] if in_place else mu.shape
+        grad_v, split = _in_view(grad, partition, view)
         hyper = hyper_vector(
             spec=spec, **decay, **scale, **_no_spec(kwargs), index=index if in_place else None
         )
-        return sharded_call(
-            grad,
-            param,
+        new_param, new_mu, new_nu = sharded_call(
+            grad_v,
+            param.reshape(mu.shape),
             mu,
             nu,
             hyper,
@@ -207,9 +233,10 @@ def coat_adamw_apply(
             config=config,
             interpret=interpret,
             mesh=mesh,
-            partition=partition,
+            partition=split,
             stacked=in_place,
         )
+        return new_param.reshape(param.shape), new_mu, new_nu
 
     def pallas():
         _check_kernel_spec(spec)
@@ -217,7 +244,8 @@ def coat_adamw_apply(
             raise ValueError(f"param shape {param.shape} differs from grad shape {grad.shape}")
         if not jnp.issubdtype(param.dtype, jnp.floating):
             raise TypeError(f"param must be a float array, got {param.dtype}")
-        if stacked and grad.shape[-1] % spec.group_size:
+        check_view(param.shape, mu, nu)
+        if stacked and mu.shape[-1] % spec.group_size:
             # The in-place kernel takes whole groups only (fused_call): a short last group
             # steps the element's slices with the per-parameter kernel and writes them back.
             return stacks.step_element(lambda t: kernel(*t, in_place=False), (param, mu, nu), index)

@@ -3,6 +3,8 @@ step') and the CPU path; the kernel matches it to float32 rounding."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -28,6 +30,17 @@ def check_groups(name: str, moment: QuantizedTensor, spec: MomentSpec) -> None:
             f"{name} was quantized with granularity={moment.granularity!r}, group_size="
             f"{moment.group_size}; the step's spec has groups of {spec.group_size}: quantize the "
             "moments with the spec (quantize_moment) or pass the spec they were made with"
+        )
+
+
+def check_view(shape: tuple[int, ...], mu: QuantizedTensor, nu: QuantizedTensor) -> None:
+    """``ValueError`` unless both moments have one shape, a group view of ``shape`` (as many
+    values)."""
+    if mu.shape != nu.shape or math.prod(mu.shape) != math.prod(shape):
+        raise ValueError(
+            f"the moments' shapes {mu.shape} and {nu.shape} must be one group view of the "
+            f"parameter's {tuple(shape)} (a reshape with as many values); quantize them from "
+            "moments of the parameter's size"
         )
 
 
@@ -60,7 +73,9 @@ def coat_adam_step_reference(
 
     Args:
       grad: the gradient, any float dtype, the parameter's shape.
-      mu, nu: the quantized first and second moments (per group of ``spec.group_size``).
+      mu, nu: the quantized first and second moments (per group of ``spec.group_size``), in
+        the parameter's group view: its shape, or a reshape of it whose last axis the groups
+        run along (``coat_jax.state_codec.group_view``).
       count: the step number t, starting at 1 (a traced int is fine).
       b1, b2, eps, expand_min: numeric hyper-parameters (traced values are fine).
       spec: the static quantization settings.
@@ -71,13 +86,16 @@ def coat_adam_step_reference(
     """
     check_groups("mu", mu, spec)
     check_groups("nu", nu, spec)
-    m = mu.dequantize()
-    v = nu.dequantize()
+    check_view(grad.shape, mu, nu)
+    # The step itself runs in the parameter's shape and only the codec in the group view, as
+    # coat_jax.fp8_state runs any optimizer, so the two agree bit for bit.
+    m = mu.dequantize().reshape(grad.shape)
+    v = nu.dequantize().reshape(grad.shape)
     m, v, update = adam_moments_and_update(grad, m, v, count=count, b1=b1, b2=b2, eps=eps)
     return (
         update.astype(grad.dtype),
-        quantize_moment(m, spec.mu_format, spec, expand_min),
-        quantize_moment(v, spec.nu_format, spec, expand_min),
+        quantize_moment(m.reshape(mu.shape), spec.mu_format, spec, expand_min),
+        quantize_moment(v.reshape(nu.shape), spec.nu_format, spec, expand_min),
     )
 
 

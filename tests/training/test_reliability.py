@@ -26,7 +26,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from coat_jax.runs import read_params
+import coat_jax
+from coat_jax.runs import CheckpointError, read_params
 from coat_jax.training import Checkpointer, load_config, train
 from coat_jax.training import checkpoint as checkpoint_mod
 from coat_jax.training.checkpoint import CheckpointSaveError, _fmt_bytes, state_bytes
@@ -169,6 +170,28 @@ def test_save_is_asynchronous_and_nonfinite_state_is_never_written(tmp_path, mon
     assert (meta["step"], meta["data_position"], meta["schedule_steps"]) == (2, 8, 10)
     restored, _ = ck.restore(meta, jax.eval_shape(lambda: _state(2)), seed=0)
     assert tree_bytes(restored) == tree_bytes(_state(2))
+    ck.close()
+
+
+def test_fp8_state_grouped_along_the_last_axis_alone_is_refused_not_misread(tmp_path):
+    # A (4, 64) weight's moments grouped along its last axis alone have statistics (4, 1);
+    # grouped over its flatten they are (1, 2): such a checkpoint is refused before any read.
+    params = {"w": jnp.zeros((4, 64))}
+    state = coat_jax.coat_adamw(1e-3).init(params)
+    old = jax.tree.map(lambda x: jnp.ones((4, 1), x.dtype) if x.shape == (1, 2) else x, state)
+    ck = Checkpointer(tmp_path, keep=1, fingerprint={})
+    ck.save(1, {"params": params, "opt_state": old}, data_position=0, seed=0)
+    ck.wait()
+    wanted = jax.eval_shape(lambda: {"params": params, "opt_state": state})
+    with pytest.raises(CheckpointError) as info:
+        ck.restore(ck.latest_meta(), wanted, seed=0)
+    message = str(info.value)
+    assert len(message.splitlines()) <= 2
+    assert "start a new run with resume=false" in message
+    assert (
+        "mu_center['w']: checkpoint has [[4, 1], 'float32'], this run expects [[1, 2], 'float32']"
+        in message
+    )
     ck.close()
 
 

@@ -704,6 +704,10 @@ def test_fsdp_spec_picks_the_largest_divisible_axis():
     assert fsdp_spec((258, 64), 4) == jax.sharding.PartitionSpec()
     assert fsdp_spec((6,), 4) == jax.sharding.PartitionSpec()
     assert fsdp_spec((64, 128), 1) == jax.sharding.PartitionSpec()
+    # A last axis 128 does not divide: the split must keep whole groups of the flatten.
+    assert fsdp_spec((128, 64), 4) == jax.sharding.PartitionSpec("fsdp", None)
+    assert fsdp_spec((128, 258), 4) == jax.sharding.PartitionSpec()
+    assert fsdp_spec((1, 128, 258), 2) == jax.sharding.PartitionSpec(None, "fsdp", None)
 
 
 EIGHT_DEVICES = textwrap.dedent(
@@ -789,20 +793,22 @@ def test_eight_devices_match_one(tmp_path, cache_dir):
     assert rel < 5e-3
     assert abs(one["val_loss"] - eight["val_loss"]) / one["val_loss"] < 1e-4
     # FSDP placement of COAT's state: FP8 codes take their parameter's spec; per-group
-    # statistics (shape p.shape[:-1] + (groups,)) keep it where the split axis divides.
+    # statistics (shape p.shape[:-1] + (groups,) where 128 divides the last axis, else grouped
+    # over the flatten, the row split moving to the flattened axis) keep it where it divides.
     specs = report["coat_specs"]
     assert specs["['params']['q_proj']"] == ["float32", [64, 64], ["fsdp", None]]
     assert specs["['params']['up_proj']"] == ["float32", [64, 128], ["fsdp", None]]
-    assert specs["['params']['lm_head']"] == ["float32", [64, 258], ["fsdp", None]]
+    # 16 rows of 258 values per shard would split the groups of its flatten: replicated.
+    assert specs["['params']['lm_head']"] == ["float32", [64, 258], []]
     for field in ("mu_codes", "nu_codes"):
         codes = {k.rsplit("[", 1)[1]: v for k, v in specs.items() if f".{field}[" in k}
         assert codes["'q_proj']"] == ["float8_e4m3fn", [64, 64], ["fsdp", None]]
         assert codes["'up_proj']"] == ["float8_e4m3fn", [64, 128], ["fsdp", None]]
     for field in ("mu_scale", "mu_expand", "mu_center", "nu_scale"):
         stats = {k.rsplit("[", 1)[1]: v for k, v in specs.items() if f".{field}[" in k}
-        assert stats["'q_proj']"] == ["float32", [64, 1], ["fsdp", None]]
+        assert stats["'q_proj']"] == ["float32", [1, 32], [None, "fsdp"]]
         assert stats["'up_proj']"] == ["float32", [64, 1], ["fsdp", None]]
-        assert stats["'lm_head']"] == ["float32", [64, 3], ["fsdp", None]]
+        assert stats["'lm_head']"] == ["float32", [1, 129], [None, None]]
 
 
 # ----------------------------------------------------------------------------- init_from
