@@ -1,5 +1,6 @@
 """Tables that benchmarks/render.py computes from records rather than copies from one: ratios
-between runs, per-token splits, a one-layer run's time split, bytes from parameter counts.
+between runs, per-token splits, a one-layer run's time split, bytes from parameter counts,
+losses at given steps, epochs from tokens.
 
 Each function takes the records (``bench_e2e`` or ``bench_layer`` lines) and returns the
 table's markdown lines, every row with the device, JAX version and date of the records it comes
@@ -167,6 +168,68 @@ def state_bytes_table(records: list[dict]) -> list[str]:
         ]
         label = opt if f32 else f"{opt} (fused)"
         lines.append(f"| {label} | {' | '.join(cells)} | {_stamp(fp8)} |")
+    return lines
+
+
+def shape_bytes_table(records: list[dict]) -> list[str]:
+    """Optimizer state bytes per parameter of one float32 parameter of each shape
+    (``fp8_state_accuracy.py --state-bytes``'s ``shape_state_bytes`` records): ``coat_adamw``
+    and ``fp8_state(lion)`` beside the float32 states of optax's ``adamw`` and ``lion``."""
+    lines = [
+        "| shape | `coat_adamw` | `fp8_state(lion)` | float32 (adamw / lion) | device | JAX | date |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by = {
+        (tuple(r["shape"]), r["optimizer"]): r for r in records if r["kind"] == "shape_state_bytes"
+    }
+    per = lambda shape, opt: C.truncated(by[shape, opt]["state_bytes"] / math.prod(shape), 4)
+    for shape in dict.fromkeys(s for s, _ in by):
+        lines.append(
+            f"| {shape} | {per(shape, 'coat_adamw')} | {per(shape, 'fp8_state(lion)')} | "
+            f"{per(shape, 'adamw')} / {per(shape, 'lion')} | {_stamp(by[shape, 'adamw'])} |"
+        )
+    return lines
+
+
+def losses(records: list[dict], label: Label, steps: tuple[int, ...]) -> list[str]:
+    """Each timed run's training loss at ``steps`` (1-based, as its ``losses`` list them) and
+    its lowest loss with the step it came at, as the run recorded them."""
+    lines = [
+        "| setting | batch | "
+        + " | ".join(f"loss at step {s}" for s in steps)
+        + " | lowest loss (step) | device | JAX | date |",
+        "|" + "---|" * (len(steps) + 6),
+    ]
+    for r in _runs(records):
+        if "losses" not in r:
+            continue
+        got = r["losses"]
+        low = min(range(len(got)), key=got.__getitem__)
+        cells = " | ".join(str(got[s - 1]) for s in steps)
+        lines.append(
+            f"| {label(r)} | {r['batch']} | {cells} | {got[low]} ({low + 1}) | {_stamp(r)} |"
+        )
+    return lines
+
+
+def epochs(records: list[dict], corpora: dict) -> list[str]:
+    """How many times an ``accuracy.py`` run of each setting of ``corpora`` (the transcribed
+    table of its training text) goes over its training text: the tokens a run trains on (its
+    record's ``tokens``) over the text's training tokens."""
+    lines = [
+        "| setting | tokens per run | training tokens | epochs per run | device | JAX | date |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    column = corpora["columns"].index("training tokens")
+    for row in corpora["rows"]:
+        runs = [r for r in records if r["setting"] == row[0]]
+        if len({r["tokens"] for r in runs}) != 1:
+            raise ValueError(f"setting {row[0]!r}: runs of {len(runs)} token counts, expected one")
+        run, text = runs[0], int(row[column].replace(",", ""))
+        lines.append(
+            f"| {row[0]} | {run['tokens']:,} | {text:,} | "
+            f"{C.truncated(run['tokens'] / text, 2)} | {_stamp(run)} |"
+        )
     return lines
 
 

@@ -7,7 +7,7 @@ numbers, under ``--out``). docs/fp8_state.md holds a measured table.
 
   python benchmarks/fp8_state_accuracy.py                       # every optimizer, 600 steps
   python benchmarks/fp8_state_accuracy.py --steps 300 --optimizers lion sgd
-  python benchmarks/fp8_state_accuracy.py --state-bytes OUT   # bytes/parameter, Llama-2-7B tree
+  python benchmarks/fp8_state_accuracy.py --state-bytes OUT   # bytes/parameter: Llama-2-7B, shapes
 
 Learning rates: AdamW's default 3e-3 for adamw, adafactor and muon (whose consistent-RMS
 scaling is meant to share AdamW's learning rate); lion takes a tenth of it (its sign updates are
@@ -33,8 +33,10 @@ import dataclasses  # noqa: E402
 import _common as C  # noqa: E402
 import derived  # noqa: E402
 import jax  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import coat_jax  # noqa: E402
 from coat_jax import quant  # noqa: E402
 from coat_jax.fp8_wrapper import quantized_paths  # noqa: E402
 from coat_jax.llama import Llama, LlamaConfig  # noqa: E402
@@ -113,6 +115,41 @@ def state_bytes_records() -> list[dict]:
     return records
 
 
+# The parameter shapes of docs/fp8_state.md's per-shape table: a vector and a scalar-sized
+# matrix below a group, one narrow row or column, one group, a last axis 128 does not divide,
+# a narrow last axis, a Llama-2-7B MLP weight.
+SHAPES = ((3,), (1, 1), (512, 1), (1, 512), (128,), (7, 129), (512, 5), (4096, 11008))
+# Each FP8 state of that table and the float32 states of its inner optimizers.
+SHAPE_OPTIMIZERS = {
+    "coat_adamw": lambda: coat_jax.coat_adamw(1e-3),
+    "fp8_state(lion)": lambda: coat_jax.fp8_state(optax.lion(1e-3)),
+    "adamw": lambda: optax.adamw(1e-3),
+    "lion": lambda: optax.lion(1e-3),
+}
+
+
+def shape_bytes_records() -> list[dict]:
+    """State bytes of one float32 parameter ``{"w": ...}`` of each of ``SHAPES`` under each of
+    ``SHAPE_OPTIMIZERS``, from ``jax.eval_shape(tx.init, params)``: one ``"kind":
+    "shape_state_bytes"`` record each (``derived.shape_bytes_table`` renders them)."""
+    stamp = {**C.environment(), "command": C.command_line()}
+    records = []
+    for shape in SHAPES:
+        params = {"w": jax.ShapeDtypeStruct(shape, jax.numpy.float32)}
+        for name, make in SHAPE_OPTIMIZERS.items():
+            state = jax.eval_shape(make().init, params)
+            records.append(
+                {
+                    "kind": "shape_state_bytes",
+                    "optimizer": name,
+                    "shape": list(shape),
+                    "state_bytes": quant.state_bytes(state),
+                    **stamp,
+                }
+            )
+    return records
+
+
 def table(rows: list[dict]) -> str:
     by = {(r["optimizer"], r["fp8_state"]): r for r in rows}
     lines = [
@@ -140,14 +177,16 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--state-bytes",
         metavar="OUT",
-        help="write the state-bytes records to OUT.jsonl, print their table and exit",
+        help="write the state-bytes records (Llama-2-7B tree, one parameter per shape) to "
+        "OUT.jsonl, print their tables and exit",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
     if args.state_bytes:
-        records = state_bytes_records()
+        records = state_bytes_records() + shape_bytes_records()
         C.write_jsonl(args.state_bytes, records)
         print("\n".join(derived.state_bytes_table(records)))
+        print("\n".join(derived.shape_bytes_table(records)))
         return 0
     lrs = dict(LEARNING_RATES)
     for item in args.lr:

@@ -194,7 +194,9 @@ def _accuracy_rows() -> list[Row]:
     g = accuracy.gap(summary, "scratch", "coat", "best")
     return [
         Row(
-            "training accuracy, 113M Llama from scratch (32.77M tokens)",
+            # The model's size and tokens as the accuracy report's header writes them.
+            f"training accuracy, {int(coat['params'] / 1e6)}M Llama from scratch "
+            f"({coat['tokens'] / 1e6:.2f}M tokens)",
             f"best validation loss COAT {accuracy.cut(coat['best'][0], 4)} against BF16's "
             f"{accuracy.cut(bf16['best'][0], 4)} ({accuracy.gap_text(g)}%, "
             f"{len(coat['seeds'])} seeds each)",
@@ -660,6 +662,12 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     ),
     "telemetry/h200_programs": telemetry_programs("telemetry/telemetry_h200.json"),
     "telemetry/h200_batch1": calls_table("telemetry/e2e.jsonl", {}),
+    "telemetry/h200_batch1_losses": records_table(
+        "telemetry/e2e.jsonl", lambda rs: derived.losses(rs, run_label({}), (1, 2, 3))
+    ),
+    "e2e_in_backward_in_place/losses": records_table(
+        "e2e_in_backward_in_place/e2e.jsonl", lambda rs: derived.losses(rs, run_label({}), (1,))
+    ),
     "fp8_kernels/rule": calls_table("fp8_kernels/rule.jsonl", ABBREV_7B),
     "e2e_fused_apply/calls": calls_table("e2e_fused_apply/e2e.jsonl", {}),
     "e2e_group_scale/calls": calls_table("e2e_group_scale/e2e.jsonl", {}),
@@ -720,6 +728,9 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     ),
     "fp8_state/state_bytes": records_table(
         "fp8_state/state_bytes.jsonl", derived.state_bytes_table
+    ),
+    "fp8_state/shape_bytes": records_table(
+        "fp8_state/state_bytes.jsonl", derived.shape_bytes_table
     ),
     "fp8_kernels/76M_ratios": records_table(
         "fp8_kernels/76M.jsonl", lambda rs: derived.coat_over_bf16(rs, run_label({}), "batch")
@@ -787,6 +798,14 @@ BLOCKS: dict[str, Callable[[Callable[[str], str]], str]] = {
     "fp8_rowwise/7b_h100_split": split_table("fp8_rowwise/e2e_7b_h100.jsonl", ABBREV_ROWWISE),
     "fp8_rowwise/accuracy_tiny": accuracy_tables("fp8_rowwise/accuracy_tiny.jsonl"),
     "accuracy/chat_tiny": accuracy_tables("accuracy/chat_tiny.jsonl"),
+    "accuracy/epochs": lambda link: (
+        "\n".join(
+            derived.epochs(
+                _records("accuracy/accuracy.jsonl"), _table("accuracy/tables.jsonl", "corpora")
+            )
+        )
+        + "\n"
+    ),
     **{name: e2e_page(name) for name in E2E_PAGES},
 }
 

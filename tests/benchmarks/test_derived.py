@@ -72,3 +72,26 @@ def test_pallas_over_xla_pairs_settings_that_differ_only_in_fp8_kernels():
     other = run("coat:b:fp8_kernels=pallas", 8, 1.0, fp8_ops_implementation="pallas")
     rows = derived.pallas_over_xla([x, p, other], label)[2:]
     assert len(rows) == 1 and "| 1.020x |" in rows[0] and "| overlap |" in rows[0]
+
+
+def test_losses_reads_the_steps_one_based_and_the_lowest_with_its_step():
+    rows = derived.losses([run("coat:a", 1, 1.0, losses=[3.0, 2.5, 0.5, 0.75])], label, (1, 2))
+    assert rows[2].startswith("| coat:a | 1 | 3.0 | 2.5 | 0.5 (3) | X |")
+
+
+def test_epochs_divides_a_runs_tokens_by_the_training_tokens_and_refuses_mixed_runs():
+    corpora = {"columns": ["setting", "training tokens"], "rows": [["s", "1,000"]]}
+    records = [{"setting": "s", "tokens": 2500, **STAMP}]
+    assert derived.epochs(records, corpora)[2].startswith("| s | 2,500 | 1,000 | 2.50 | X |")
+    with pytest.raises(ValueError, match="setting 's': runs of 2 token counts, expected one"):
+        derived.epochs([*records, {"setting": "s", "tokens": 1, **STAMP}], corpora)
+
+
+def test_shape_bytes_table_divides_by_the_shapes_size():
+    names = ("coat_adamw", "fp8_state(lion)", "adamw", "lion")
+    records = [
+        {"kind": "shape_state_bytes", "optimizer": n, "shape": [2, 3], "state_bytes": b, **STAMP}
+        for n, b in zip(names, (13, 7, 48, 24), strict=True)
+    ]
+    rows = derived.shape_bytes_table(records)
+    assert rows[2].startswith("| (2, 3) | 2.1666 | 1.1666 | 8.0000 / 4.0000 | X |")
