@@ -195,9 +195,10 @@ def test_smollm2_greedy_matches_transformers_generate(smollm_gguf, smollm_hf, ca
     print("SmolLM2 greedy:", [ours_tok.decode(g) for g in got])
     assert got == want
 
-    # The command line on the .gguf, in this process: it decodes the same batch of prompts
-    # with `generate` (the program compiled above), one line of prompt and text each.
-    argv = [smollm_gguf, *SMOL_PROMPTS, "--max-new-tokens", str(SMOL_NEW_TOKENS)]
+    # The command line on the converted folder, in this process: it decodes the same batch of
+    # prompts with `generate` (the program compiled above), one line of prompt and text each.
+    # (The .gguf's loading is the smollm_hf fixture's and tests/model/test_gguf.py's.)
+    argv = [str(smollm_hf), *SMOL_PROMPTS, "--max-new-tokens", str(SMOL_NEW_TOKENS)]
     capsys.readouterr()
     assert generate_main(argv) == 0
     texts = [ours_tok.decode(g, skip_special_tokens=True) for g in got]
