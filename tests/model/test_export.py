@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ from safetensors import safe_open
 
 from coat_jax.convert import byte_tokenizer_hf
 from coat_jax.convert import main as convert_main
+from coat_jax.generate import main as generate_main
 from coat_jax.runs import CheckpointError, load_run_model, read_params, read_run
 from coat_jax.tokenizer import ByteTokenizer
 from coat_jax.training import load_config, train
@@ -94,15 +93,13 @@ def test_step_and_dtype_choice(runs, tmp_path):
         read_params(run, 3)
 
 
-def test_generate_cli_on_a_run(runs):
-    proc = subprocess.run(
-        [sys.executable, "-m", "coat_jax.generate", str(runs["unrolled"]), "It is", "Mr."]
-        + ["--max-new-tokens", "8", "--temperature", "0.8", "--top-p", "0.9"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+def test_generate_cli_on_a_run(runs, capsys):
+    # In this process: docs/quickstart.md's sampling command runs as a program in
+    # tests/training/test_user_path.py.
+    argv = [str(runs["unrolled"]), "It is", "Mr."]
+    argv += ["--max-new-tokens", "8", "--temperature", "0.8", "--top-p", "0.9"]
+    assert generate_main(argv) == 0, capsys.readouterr().err
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("It is") and any(line.startswith("Mr.") for line in lines)
 
 
@@ -112,15 +109,6 @@ def test_byte_tokenizer_hf_equals_the_byte_tokenizer():
     assert hf(every_byte)["input_ids"] == byte.encode(every_byte)
     assert hf.decode(byte.encode(every_byte)) == every_byte
     assert (hf.bos_token_id, hf.eos_token_id, len(hf)) == (256, 257, 258)
-
-
-def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "coat_jax.convert", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
 
 
 @pytest.mark.parametrize(
@@ -139,19 +127,27 @@ def _cli(*args):
         (["run-to-hf", "{run}"], r"the following arguments are required: dst"),
     ],
 )
-def test_convert_errors_are_one_line(runs, tmp_path, args, message):
+def test_convert_errors_are_one_line(runs, tmp_path, capsys, args, message):
+    # The command's own function, in this process (the program runs in
+    # tests/model/test_convert.py); a traceback would fail the test.
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(b"GGUF")
     subs = {"gguf": gguf, "out": tmp_path / "out", "run": runs["unrolled"], "tmp": tmp_path}
-    proc = _cli(*(a.format(**subs) for a in args))
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith("error: ") and "; " in proc.stderr
-    assert re.search(message, proc.stderr), proc.stderr
+    try:
+        code = convert_main([a.format(**subs) for a in args])
+    except SystemExit as usage_error:
+        code = usage_error.code
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert stderr.startswith("error: ") and "; " in stderr
+    assert re.search(message, stderr), stderr
 
 
-def test_convert_help_has_formatted_examples():
-    proc = _cli("--help")
-    assert proc.returncode == 0
-    assert "\nexamples:\n  python -m coat_jax.convert run-to-hf runs/default" in proc.stdout
-    assert "  run-to-hf RUN DST " in proc.stdout
+def test_convert_help_has_formatted_examples(capsys):
+    with pytest.raises(SystemExit) as done:
+        convert_main(["--help"])
+    assert done.value.code == 0
+    stdout = capsys.readouterr().out
+    assert "\nexamples:\n  python -m coat_jax.convert run-to-hf runs/default" in stdout
+    assert "  run-to-hf RUN DST " in stdout

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -50,14 +48,18 @@ def tiny_model():
     return model
 
 
+@jax.jit
+def _last_logits(model, ids_1T, last):
+    return model(ids_1T)[0, last]
+
+
 def greedy_by_full_forward(model, prompt, n, width=48):
     """Greedy decoding the slow way: the whole sequence again for every token. Right padding
     to a fixed width keeps it one compile (causal attention: the padding is never seen)."""
-    forward = jax.jit(lambda m, x, last: m(x)[0, last])
     ids = list(prompt)
     for _ in range(n):
         padded = jnp.asarray([ids + [0] * (width - len(ids))])
-        ids.append(int(jnp.argmax(forward(model, padded, len(ids) - 1))))
+        ids.append(int(jnp.argmax(_last_logits(model, padded, len(ids) - 1))))
     return ids[len(prompt) :]
 
 
@@ -153,7 +155,7 @@ SMOL_PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea, there lived",
 ]
-SMOL_NEW_TOKENS = 16
+SMOL_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +166,7 @@ def smollm_hf(smollm_gguf, tmp_path_factory):  # noqa: F811
     return folder
 
 
-def test_smollm2_greedy_matches_transformers_generate(smollm_gguf, smollm_hf):  # noqa: F811
+def test_smollm2_greedy_matches_transformers_generate(smollm_gguf, smollm_hf, capsys):  # noqa: F811
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -192,27 +194,20 @@ def test_smollm2_greedy_matches_transformers_generate(smollm_gguf, smollm_hf):  
     got = generate_ids(model, prompts, SMOL_NEW_TOKENS, eos_token_id=ours_tok.eos_token_id)
     print("SmolLM2 greedy:", [ours_tok.decode(g) for g in got])
     assert got == want
-    text = generate(model, ours_tok, SMOL_PROMPTS[0], SMOL_NEW_TOKENS)
-    assert text == ours_tok.decode(got[0], skip_special_tokens=True)
+
+    # The command line on the converted folder, in this process: it decodes the same batch of
+    # prompts with `generate` (the program compiled above), one line of prompt and text each.
+    # (The .gguf's loading is the smollm_hf fixture's and tests/model/test_gguf.py's.)
+    argv = [str(smollm_hf), *SMOL_PROMPTS, "--max-new-tokens", str(SMOL_NEW_TOKENS)]
+    capsys.readouterr()
+    assert generate_main(argv) == 0
+    texts = [ours_tok.decode(g, skip_special_tokens=True) for g in got]
+    lines = [f"{p}{t}\n" for p, t in zip(SMOL_PROMPTS, texts, strict=True)]
+    assert capsys.readouterr().out == "".join(lines)
+    assert len(texts[0]) > 2
 
 
-def test_generate_cli(smollm_gguf, capsys):  # noqa: F811
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coat_jax.generate",
-            smollm_gguf,
-            SMOL_PROMPTS[0],
-            "--max-new-tokens",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith(SMOL_PROMPTS[0]) and len(run.stdout) > len(SMOL_PROMPTS[0]) + 2
-    # A bad source: the command's own function, in this process (the program runs above).
+def test_generate_cli_names_a_bad_source(capsys):
     assert generate_main([os.devnull + ".gguf", "x"]) == 2
     stderr = capsys.readouterr().err
     assert stderr.startswith("error: ")

@@ -44,25 +44,25 @@ def _tokens(b=2, t=16, seed=3):
 
 
 def _loss_and_grads(model, tokens):
+    """(loss, gradients, logits of ``tokens[:, :-1]``) from one jitted program."""
     graphdef, state = nnx.split(model)
 
     def loss(state):
         logits = nnx.merge(graphdef, state)(tokens[:, :-1])
-        return -jnp.mean(
-            jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
-        )
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
+        return jnp.mean(nll), logits
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(state)
-    return value, nnx.to_pure_dict(grads)
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+    return value, nnx.to_pure_dict(grads), logits
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_scan_and_unrolled_give_the_same_logits_and_gradients(precision):
     unrolled, scanned = _pair(precision)
     tokens = _tokens()
-    np.testing.assert_allclose(scanned(tokens), unrolled(tokens), rtol=1e-5, atol=1e-5)
-    lu, gu = _loss_and_grads(unrolled, tokens)
-    ls, gs = _loss_and_grads(scanned, tokens)
+    lu, gu, logits_u = _loss_and_grads(unrolled, tokens)
+    ls, gs, logits_s = _loss_and_grads(scanned, tokens)
+    np.testing.assert_allclose(logits_s, logits_u, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ls, lu, rtol=1e-6)
     gs = llama.unstack_layers(gs)
     for (path, a), b in zip(
@@ -93,7 +93,7 @@ def test_remat_policies_do_not_change_the_gradient(precision, scan, policies):
             scan_layers=scan,
             remat=remat,
         )
-        loss, grads = _loss_and_grads(model, tokens)
+        loss, grads, _ = _loss_and_grads(model, tokens)
         if ref is None:
             ref = (loss, grads)
             continue
@@ -176,8 +176,9 @@ def test_fp8_attention_keeps_no_bf16_activation_and_the_same_forward():
     fp8 = llama.Llama(
         CFG, precision="coat", dtype=jnp.float32, rngs=nnx.Rngs(0), fp8_attention=True
     )
-    np.testing.assert_array_equal(fp8(tokens), plain(tokens))
-    (_, g_plain), (_, g_fp8) = _loss_and_grads(plain, tokens), _loss_and_grads(fp8, tokens)
+    _, g_plain, logits_plain = _loss_and_grads(plain, tokens)
+    _, g_fp8, logits_fp8 = _loss_and_grads(fp8, tokens)
+    np.testing.assert_array_equal(logits_fp8, logits_plain)
     a = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_plain)])
     b = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_fp8)])
     rel = float(np.linalg.norm(a - b) / np.linalg.norm(a))

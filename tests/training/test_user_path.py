@@ -1,4 +1,4 @@
-"""docs/quickstart.md's commands, run as written (on a 20-step run), so that CI checks them."""
+"""docs/quickstart.md's commands, run as written (on a 4-step run), so that CI checks them."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ QUICKSTART_EXTRAS = ("train",)
 QUICKSTART_INSTALL = 'pip install -e ".[train]"'
 # Appended to the train.py command: a short run of small batches with the tests' caches.
 SHORT_RUN = [
-    "steps=20",
+    "steps=4",
     "data.batch_size=4",
     "optimizer.warmup_steps=2",
-    "eval.every=10",
+    "eval.every=2",
     "eval.batches=1",
     "logging.progress_bar=false",
 ]
@@ -111,7 +111,7 @@ def test_quickstart_commands_run(tmp_path, trainer_caches):
         _run(c, tmp_path, trainer_caches, base_only) for c in quickstart_commands()[1:]
     )
     (hf_out,) = (_run(c, tmp_path, trainer_caches) for c in quickstart_blocks()[1][1:])
-    assert "done: step 20" in train_out
-    assert "run-to-hf: wrote checkpoint step 20" in export_out and "byte tokenizer" in export_out
+    assert "done: step 4" in train_out
+    assert "run-to-hf: wrote checkpoint step 4" in export_out and "byte tokenizer" in export_out
     for sampled in (hf_out, ours_out):
         assert sampled.startswith("It is a truth") and len(sampled.strip()) > len("It is a truth")
