@@ -64,7 +64,9 @@ def relayout(tree, *, scan_layers: bool):
 
     ``tree`` may be the parameters, an optimizer state holding trees like them (optax's
     ``mu``/``nu``, coat_adamw's FP8 codes and per-group statistics) or a dict of both;
-    everything else passes through unchanged.
+    everything else passes through unchanged. An FP8 state relayouts into the state its
+    optimizer makes of the other layout when that optimizer groups each layer apart
+    (``stacked_axes=``:func:`stacked_layer_axes`, as the trainer's do).
     """
     convert = stack_layers if scan_layers else unstack_layers
     is_params = lambda x: isinstance(x, Mapping) and "layers" in x and "embed_tokens" in x

@@ -200,10 +200,14 @@ def test_stack_and_unstack_are_inverse_on_parameters_and_states():
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(a, b)
     from coat_jax import coat_adamw
+    from coat_jax.llama_layout import stacked_layer_axes
 
-    state = coat_adamw(1e-3).init(params)
+    # Each layer of the stack grouped as alone (as the trainer's optimizers): the unrolled
+    # layers' states, stacked, are the stacked parameters' state.
+    tx = coat_adamw(1e-3, stacked_axes=stacked_layer_axes)
+    state = tx.init(params)
     moved = llama.relayout({"params": params, "opt_state": state}, scan_layers=True)
-    restacked = coat_adamw(1e-3).init(stacked)
+    restacked = tx.init(stacked)
     assert jax.tree.structure(moved["opt_state"]) == jax.tree.structure(restacked)
     for a, b in zip(jax.tree.leaves(moved["opt_state"]), jax.tree.leaves(restacked), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
