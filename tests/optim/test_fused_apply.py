@@ -18,6 +18,7 @@ from coat_jax import optim
 from coat_jax.training.optimizers import make_optimizer, skip_nonfinite
 from coat_jax.training.program import make_schedule
 from tests.jaxprs import equations, pallas_calls
+from tests.placement import committed
 
 PARAMS_SHAPES = {"w": (8, 256), "v": (3, 200), "b": (3,), "s": ()}
 
@@ -38,7 +39,7 @@ def _grads(t, dtype=jnp.float32):
 
 
 def _run(tx, fused, steps=3, dtype=jnp.float32):
-    params, state = _params(), tx.init(_params())
+    params, state = committed((_params(), tx.init(_params())))
     if fused:
         step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p))
     else:

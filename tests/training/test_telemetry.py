@@ -29,6 +29,7 @@ from coat_jax.training.telemetry import (
 )
 from coat_jax.training.telemetry_sample import SamplePlan
 from tests.fake_devices import run_on_fake_devices
+from tests.placement import committed
 from tests.training.test_cli import _scalars
 from tests.training.test_train import tiny, tree_bytes
 
@@ -69,7 +70,7 @@ def run(tx, telemetries: dict):
     ``telemetries``: per step the metrics by telemetry name, the states around the last step.
     Every telemetry's updates and new state must be ``tx``'s, bit for bit."""
     params, grads = problem()
-    state = tx.init(params)
+    params, state = committed((params, tx.init(params)))
 
     def step(g, s, p):
         results = {name: t.update(tx, g, s, p) for name, t in telemetries.items()}
