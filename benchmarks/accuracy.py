@@ -42,9 +42,9 @@ the document). Settings:
   scratch_code
             scratch's model for 3052 steps (100.0M tokens) on Python source text: the installed
             packages' .py files (``--build-code-corpus``; built on first use), 64 documents of
-            whole files, the last 2 held out. The bundled corpus has 3.14M tokens, and the H200
-            has no network and takes 64 MiB per call, so this is the text of at least 100M
-            tokens that is there: code with its comments and docstrings, not prose.
+            whole files, the last 2 held out. The bundled corpus is far smaller, and the
+            GPU machine has no network and takes 64 MiB per call, so this is the text of at
+            least 100M tokens that is there: code with its comments and docstrings, not prose.
   chat_tiny the tiny Llama from scratch on chats (tools/make_chat_data.py: sums of two numbers,
             written on first use), rendered with the byte tokenizer's chat template; training
             and validation loss on the assistant's tokens only, 5% of the chats held out
