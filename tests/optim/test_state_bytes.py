@@ -35,8 +35,8 @@ SHAPES = [
     (4096, 11008),
 ]
 
-# An element of 129 to 191 values needs two groups of 128 (and their statistics) in any layout:
-# 2.37 bytes per parameter for coat_adamw at 129 values (docs/fp8_state.md).
+# An element of 129 to 191 values needs two groups of 128 (and their statistics) in any layout,
+# above coat_adamw's bound (docs/fp8_state.md, 'Parameters FP8 would not shrink').
 TWO_SHORT_GROUPS = [(130,)]
 
 OPTIMIZERS = {
