@@ -158,11 +158,36 @@ def test_gather_parser_sees_an_all_gather():
     assert ("f32", (64, 512)) in _gathers(gather.lower(x).compile().as_text())
 
 
+def _grads():
+    return [_tree(10 + t, scale=1e-2) for t in range(2)]
+
+
+@functools.cache
+def _one_device_steps():
+    """Parameters and state after each step of :func:`_grads` on a mesh of one device (the
+    plain kernel call, bit for bit: test_mesh_of_one_device_equals_no_mesh); both layouts
+    compare with it, so it is traced once."""
+    tx1 = _optimizer(ONE_DEVICE)
+    ref_p = _tree(0)
+    ref_s = tx1.init(ref_p)
+
+    @jax.jit
+    def ref_step(p, s, g):
+        updates, s = tx1.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    steps = []
+    for g in _grads():
+        ref_p, ref_s = ref_step(ref_p, ref_s, g)
+        steps.append((ref_p, ref_s))
+    return steps
+
+
 @pytest.mark.parametrize("layout", ["trainer", "naive"])
 def test_optimizer_on_shards_equals_one_device_and_gathers_no_parameter(layout):
     specs = None if layout == "trainer" else NAIVE_SPECS
     jitted, params, state, param_sh = _sharded_step(specs)
-    grads = [_tree(10 + t, scale=1e-2) for t in range(2)]
+    grads = _grads()
     compiled = jitted.lower(params, state, jax.device_put(grads[0], param_sh)).compile()
     hlo = compiled.as_text()
     gathered = {k for k, s in SHAPES.items() if s in set(_gathered_shapes(hlo))}
@@ -175,20 +200,8 @@ def test_optimizer_on_shards_equals_one_device_and_gathers_no_parameter(layout):
         assert gathered == {"norm"}, gathered
         assert "all-to-all" in hlo
 
-    # One device: a mesh of one device (the plain kernel call, bit for bit:
-    # test_mesh_of_one_device_equals_no_mesh).
-    tx1 = _optimizer(ONE_DEVICE)
-    ref_p = _tree(0)
-    ref_s = tx1.init(ref_p)
-
-    @jax.jit
-    def ref_step(p, s, g):
-        updates, s = tx1.update(g, s, p)
-        return optax.apply_updates(p, updates), s
-
-    for t, g in enumerate(grads, start=1):
+    for t, (g, (ref_p, ref_s)) in enumerate(zip(grads, _one_device_steps(), strict=True), 1):
         params, state = compiled(params, state, jax.device_put(g, param_sh))
-        ref_p, ref_s = ref_step(ref_p, ref_s, g)
         # The kernels' outputs (the FP8 state) match bit for bit; the parameters are within
         # two float32 ulps of |p| ~ 1, since XLA fuses optax's apply differently in the two programs.
         _equal(state, ref_s, f"state after step {t}")
