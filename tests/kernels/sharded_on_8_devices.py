@@ -1,4 +1,5 @@
-"""Pallas kernels on operands sharded over 8 CPU devices, against one device.
+"""Pallas kernels on operands sharded over 8 CPU devices, against one device (and the optimizer
+wrappers' states on 8 devices: every test that needs 8 devices shares this one process).
 
 Run by tests/kernels/test_sharded_kernels.py in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the flag must be set before JAX starts).
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from optax import contrib
 
 import coat_jax
 from coat_jax import fp8_ops
@@ -156,11 +158,36 @@ def test_gather_parser_sees_an_all_gather():
     assert ("f32", (64, 512)) in _gathers(gather.lower(x).compile().as_text())
 
 
+def _grads():
+    return [_tree(10 + t, scale=1e-2) for t in range(2)]
+
+
+@functools.cache
+def _one_device_steps():
+    """Parameters and state after each step of :func:`_grads` on a mesh of one device (the
+    plain kernel call, bit for bit: test_mesh_of_one_device_equals_no_mesh); both layouts
+    compare with it, so it is traced once."""
+    tx1 = _optimizer(ONE_DEVICE)
+    ref_p = _tree(0)
+    ref_s = tx1.init(ref_p)
+
+    @jax.jit
+    def ref_step(p, s, g):
+        updates, s = tx1.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    steps = []
+    for g in _grads():
+        ref_p, ref_s = ref_step(ref_p, ref_s, g)
+        steps.append((ref_p, ref_s))
+    return steps
+
+
 @pytest.mark.parametrize("layout", ["trainer", "naive"])
 def test_optimizer_on_shards_equals_one_device_and_gathers_no_parameter(layout):
     specs = None if layout == "trainer" else NAIVE_SPECS
     jitted, params, state, param_sh = _sharded_step(specs)
-    grads = [_tree(10 + t, scale=1e-2) for t in range(2)]
+    grads = _grads()
     compiled = jitted.lower(params, state, jax.device_put(grads[0], param_sh)).compile()
     hlo = compiled.as_text()
     gathered = {k for k, s in SHAPES.items() if s in set(_gathered_shapes(hlo))}
@@ -173,20 +200,8 @@ def test_optimizer_on_shards_equals_one_device_and_gathers_no_parameter(layout):
         assert gathered == {"norm"}, gathered
         assert "all-to-all" in hlo
 
-    # One device: a mesh of one device (the plain kernel call, bit for bit:
-    # test_mesh_of_one_device_equals_no_mesh).
-    tx1 = _optimizer(ONE_DEVICE)
-    ref_p = _tree(0)
-    ref_s = tx1.init(ref_p)
-
-    @jax.jit
-    def ref_step(p, s, g):
-        updates, s = tx1.update(g, s, p)
-        return optax.apply_updates(p, updates), s
-
-    for t, g in enumerate(grads, start=1):
+    for t, (g, (ref_p, ref_s)) in enumerate(zip(grads, _one_device_steps(), strict=True), 1):
         params, state = compiled(params, state, jax.device_put(g, param_sh))
-        ref_p, ref_s = ref_step(ref_p, ref_s, g)
         # The kernels' outputs (the FP8 state) match bit for bit; the parameters are within
         # two float32 ulps of |p| ~ 1, since XLA fuses optax's apply differently in the two programs.
         _equal(state, ref_s, f"state after step {t}")
@@ -414,6 +429,107 @@ def test_gathered_weight_codes_travel_as_fp8_not_float32():
     # The codes themselves (XLA:CPU moves FP8 as f16 through its collectives).
     assert types[True] and "f32" not in types[True], types
     _equal(outs[True], outs[False])
+
+
+# --- optimizer states on 8 devices (the optax wrappers, XLA's path) ---------------------------
+
+
+def test_fp8_state_keeps_the_trainers_placement_and_equals_one_device():
+    """coat_jax.fp8_state around optax's adamw and muon on the trainer's mesh (automatic axes:
+    under explicit axes, quant's grouping reshape of a last axis split 4 ways into 2 groups needs
+    an out_sharding it does not give)."""
+    shapes = {"w": (64, 256), "u": (16, 4096), "b": (512,)}
+    # The trainer's placement: each parameter split along its largest divisible axis (the last
+    # only into whole 128-value groups: w's 64 columns per shard would not be).
+    specs = {k: sharding.fsdp_spec(s, 4) for k, s in shapes.items()}
+    assert specs == {"w": P("fsdp", None), "u": P(None, "fsdp"), "b": P("fsdp")}
+
+    def place(tree):
+        return {
+            k: jax.device_put(v, jax.sharding.NamedSharding(MESH, specs[k]))
+            for k, v in tree.items()
+        }
+
+    ones = {k: jnp.ones(s) for k, s in shapes.items()}
+    grads = [
+        {k: jax.random.normal(jax.random.key(i), s) for k, s in shapes.items()} for i in range(2)
+    ]
+    for make in (lambda: optax.adamw(1e-2), lambda: contrib.muon(1e-2)):
+        tx = coat_jax.fp8_state(make())
+        params = place(ones)
+        state = tx.init(params)
+        before = [(x.dtype, x.sharding) for x in jax.tree.leaves(state)]
+        step = jax.jit(tx.update, donate_argnums=(1,))
+        for g in grads:
+            u, state = step(place(g), state, params)
+            params = optax.apply_updates(params, u)
+        after = [(x.dtype, x.sharding) for x in jax.tree.leaves(state)]
+        for (d0, s0), (d1, s1) in zip(before, after, strict=True):
+            assert d0 == d1, (d0, d1)
+            assert s0.is_equivalent_to(s1, 2), (s0, s1)
+        # The trainer's rule (key-path suffix) gives every leaf the placement init chose.
+        rule = sharding.state_shardings(state, params, MESH)
+        for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(rule), strict=True):
+            if x.ndim:
+                assert x.sharding.is_equivalent_to(s, x.ndim), (x.shape, x.sharding, s)
+        same = [x for x in jax.tree.leaves(state) if x.shape == (16, 32)]
+        assert same and all(x.sharding.spec == P(None, "fsdp") for x in same)
+        assert all(x.addressable_shards[0].data.shape == (16, 8) for x in same)
+        codes = [x for x in jax.tree.leaves(state) if x.dtype == jnp.float8_e4m3fn]
+        rows = jax.sharding.NamedSharding(MESH, P("fsdp", None))
+        flags = [x.sharding.is_equivalent_to(rows, 2) for x in codes if x.shape == (64, 256)]
+        assert flags and all(flags), flags
+        ref, st1 = dict(ones), tx.init(ones)
+        for g in grads:
+            u, st1 = jax.jit(tx.update)(g, st1, ref)
+            ref = optax.apply_updates(ref, u)
+        for k in shapes:
+            np.testing.assert_allclose(
+                np.asarray(params[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6
+            )
+
+
+def test_coat_adamw_on_a_users_mesh_keeps_its_placement_and_equals_one_device():
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    specs = {"w": P("fsdp", None), "u": P(None, "fsdp"), "b": P("fsdp")}
+    shapes = {"w": (64, 256), "u": (16, 4096), "b": (512,)}
+    params = {
+        k: jax.device_put(jnp.ones(s), jax.sharding.NamedSharding(mesh, specs[k]))
+        for k, s in shapes.items()
+    }
+    tx = coat_jax.coat_adamw(1e-2)
+    state = tx.init(params)
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    before = [(x.dtype, x.sharding) for x in jax.tree.leaves(state)]
+    for i in range(2):
+        g = {
+            k: jax.device_put(
+                jax.random.normal(jax.random.key(i), s),
+                jax.sharding.NamedSharding(mesh, specs[k]),
+            )
+            for k, s in shapes.items()
+        }
+        u, state = step(g, state, params)
+        params = optax.apply_updates(params, u)
+    after = [(x.dtype, x.sharding) for x in jax.tree.leaves(state)]
+    for (d0, s0), (d1, s1) in zip(before, after, strict=True):
+        assert d0 == d1, (d0, d1)
+        assert s0.is_equivalent_to(s1, 2), (s0, s1)
+    cs = state[0]
+    assert cs.mu_codes["w"].sharding.spec == P("fsdp", None)
+    assert cs.mu_scale["u"].sharding.spec == P(None, "fsdp")
+    assert cs.mu_scale["u"].addressable_shards[0].data.shape == (16, 8)
+    assert params["w"].sharding.spec == P("fsdp", None)
+    # Same numbers as one device.
+    ref = {k: jnp.ones(s) for k, s in shapes.items()}
+    tx1 = coat_jax.coat_adamw(1e-2)
+    st1 = tx1.init(ref)
+    for i in range(2):
+        g = {k: jax.random.normal(jax.random.key(i), s) for k, s in shapes.items()}
+        u, st1 = jax.jit(tx1.update)(g, st1, ref)
+        ref = optax.apply_updates(ref, u)
+    for k in shapes:
+        np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref[k]), rtol=1e-6)
 
 
 # --- the trainer ----------------------------------------------------------------------------

@@ -3,7 +3,6 @@ and the plain optimizers, and through optax's and the trainer's compositions."""
 
 import dataclasses
 import os
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,6 @@ from coat_jax import quant
 from coat_jax.fp8_wrapper import FP8State, dequantized_state, full_precision_paths, quantized_paths
 from pallas_kernels import coat_adam as kernels
 from tests import spec_reference as ref
-from tests.fake_devices import run_on_fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -541,65 +539,6 @@ def test_orbax_round_trip_bit_for_bit(tmp_path):
     ub, _ = jax.jit(tx.update)(g, back, params)
     for a, b in zip(jax.tree.leaves(ua), jax.tree.leaves(ub), strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
-
-
-def test_sharded_on_8_cpu_devices():
-    code = textwrap.dedent(
-        """
-        import jax, jax.numpy as jnp, numpy as np, optax
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        from optax import contrib
-        import coat_jax
-        from coat_jax.training import sharding
-        # The trainer's mesh (automatic axes): under explicit axes, quant's grouping reshape
-        # of a last axis split 4 ways into 2 groups needs an out_sharding it does not give.
-        mesh = sharding.make_mesh(2, 4)
-        shapes = {"w": (64, 256), "u": (16, 4096), "b": (512,)}
-        # The trainer's placement: each parameter split along its largest divisible axis (the
-        # last only into whole 128-value groups: w's 64 columns per shard would not be).
-        specs = {k: sharding.fsdp_spec(s, 4) for k, s in shapes.items()}
-        assert specs == {"w": P("fsdp", None), "u": P(None, "fsdp"), "b": P("fsdp")}
-        def place(tree):
-            return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
-        ones = {k: jnp.ones(s) for k, s in shapes.items()}
-        grads = [{k: jax.random.normal(jax.random.key(i), s) for k, s in shapes.items()}
-                 for i in range(2)]
-        for make in (lambda: optax.adamw(1e-2), lambda: contrib.muon(1e-2)):
-            tx = coat_jax.fp8_state(make())
-            params = place(ones)
-            state = tx.init(params)
-            before = [(x.dtype, x.sharding) for x in jax.tree.leaves(state)]
-            step = jax.jit(tx.update, donate_argnums=(1,))
-            for g in grads:
-                u, state = step(place(g), state, params)
-                params = optax.apply_updates(params, u)
-            after = [(x.dtype, x.sharding) for x in jax.tree.leaves(state)]
-            for (d0, s0), (d1, s1) in zip(before, after, strict=True):
-                assert d0 == d1, (d0, d1)
-                assert s0.is_equivalent_to(s1, 2), (s0, s1)
-            # The trainer's rule (key-path suffix) gives every leaf the placement init chose.
-            rule = sharding.state_shardings(state, params, mesh)
-            for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(rule), strict=True):
-                if x.ndim:
-                    assert x.sharding.is_equivalent_to(s, x.ndim), (x.shape, x.sharding, s)
-            same = [x for x in jax.tree.leaves(state) if x.shape == (16, 32)]
-            assert same and all(x.sharding.spec == P(None, "fsdp") for x in same)
-            assert all(x.addressable_shards[0].data.shape == (16, 8) for x in same)
-            codes = [x for x in jax.tree.leaves(state) if x.dtype == jnp.float8_e4m3fn]
-            rows = NamedSharding(mesh, P("fsdp", None))
-            flags = [x.sharding.is_equivalent_to(rows, 2) for x in codes if x.shape == (64, 256)]
-            assert flags and all(flags), flags
-            ref, st1 = dict(ones), tx.init(ones)
-            for g in grads:
-                u, st1 = jax.jit(tx.update)(g, st1, ref)
-                ref = optax.apply_updates(ref, u)
-            for k in shapes:
-                np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref[k]),
-                                           rtol=1e-5, atol=1e-6)
-        print("OK", len(jax.devices()))
-        """
-    )
-    assert "OK 8" in run_on_fake_devices(code)
 
 
 # --- bad options ---------------------------------------------------------------------------
