@@ -303,7 +303,8 @@ def test_optimizer_state_layout_is_unchanged_by_the_view(expansion):
     by_name = dict(zip(("b", "s", "w"), mus, strict=True))  # dict leaves in key order
     assert isinstance(by_name["w"], QT) and by_name["w"].expansion == expansion
     assert not isinstance(by_name["s"], QT)  # a scalar keeps its float32 moment
-    rebuilt = optim._state_from_leaves(state.count, treedef, mus, nus)
+    shapes = [p.shape for p in jax.tree.leaves(params)]
+    rebuilt = optim._state_from_leaves(state.count, treedef, mus, nus, shapes)
     # Same fields, key paths, leaves (the very arrays) and MaskedNodes: checkpoints restore.
     paths = lambda s: [p for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]]
     assert jax.tree.structure(rebuilt) == jax.tree.structure(state)
