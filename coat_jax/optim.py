@@ -13,9 +13,10 @@ parameters. For a parameter quantized in FP8:
 * ``mu_scale``, ``mu_expand``, ``mu_center`` (and ``nu_*``): float32, 3 floats per group of 128
   values (about 2.19 bytes per parameter for both moments, against 8 for float32 moments), shape
   ``param.shape[:-1] + (ceil(n / group_size),)`` for a last axis of ``n`` that fills at least
-  three quarters of its groups (``pallas_kernels.sharding.rows_keep_groups``). Other parameters are grouped over the flatten of each slice along their
-  ``stacked_axes`` (``state_codec.group_view``; docs/design.md, 'Groups of 128'). Without
-  expansion ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes).
+  three quarters of its groups (``pallas_kernels.sharding.rows_keep_groups``). Other
+  parameters are grouped over the flatten of each slice along their ``stacked_axes``
+  (``state_codec.group_view``; docs/design.md, 'Groups of 128'). Without expansion
+  ``*_expand`` and ``*_center`` are ``optax.MaskedNode()`` (2.06 bytes).
 
 Parameters FP8 would not shrink (``state_codec.fp8_pays``: scalars, empty arrays, elements of at
 most 4 values) and those ``fp8_mask`` excludes keep float32 moments in ``*_codes``.

@@ -11,14 +11,15 @@ Groups are ``group_size`` consecutive values of the row-major flatten of each el
 parameter: the parameter itself, or with ``stacked_axes`` leading axes each slice along them (a
 scanned model's layers). They run along the last axis of the parameter's *group view*
 (:func:`group_view`), a reshape of it of the same rank: the parameter's own shape where its rows
-(its last axis) fill at least three quarters of their groups (``rows_keep_groups``) (each row its own groups, as COAT's
-kernel; a multiple of ``group_size`` fills them all), otherwise ``shape[:stacked_axes] + (1, ...,
-1, m)`` with ``m`` the element's size, so that a narrow parameter fills whole groups. Rows kept
-whole keep a column split of the parameter local to each shard; the three quarters bound the
-statistics' padding, so no shape of at least ``group_size`` values costs more than a third of a
-group's statistics over its fill. The statistics have the view's shape with its last axis counted in
-groups, ``view[:-1] + (ceil(view[-1] / group_size),)``, so a stored moment names its own view
-(:func:`view_of`) and a slice of a stack's fields is the slice's own state.
+(its last axis) fill at least three quarters of their groups (``rows_keep_groups``; each row its
+own groups, as COAT's kernel; a multiple of ``group_size`` fills them all), otherwise
+``shape[:stacked_axes] + (1, ..., 1, m)`` with ``m`` the element's size, so that a narrow
+parameter fills whole groups. Rows kept whole keep a column split of the parameter local to each
+shard; the three quarters bound the statistics' padding, so no shape of at least ``group_size``
+values costs more than a third of a group's statistics over its fill. The statistics have the
+view's shape with its last axis counted in groups, ``view[:-1] + (ceil(view[-1] /
+group_size),)``, so a stored moment names its own view (:func:`view_of`) and a slice of a
+stack's fields is the slice's own state.
 
 :func:`quantize` and :func:`store` turn a moment into its fields, :func:`load` and
 :func:`dequantize` read them back; the placement helpers put the fields where their parameter

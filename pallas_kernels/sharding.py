@@ -231,11 +231,11 @@ def fsdp_spec(
     An axis other than the last qualifies when ``fsdp_size`` divides it; the last axis (the one
     quantization groups of ``group_size`` values run along) only when each shard's length is a
     multiple of ``group_size``. Where rows do not keep their own groups (:func:`rows_keep_groups`)
-    the groups run over the flatten, and only its first axis of more than one value qualifies, when each
-    shard's block of the flatten holds whole groups. Llama-2-7B on 8 devices: the ``[4096, 11008]`` gate and up
-    projections split rows (11008 / 8 = 1376 columns would be 10.75 groups), the
-    ``[11008, 4096]`` down projection rows too (largest axis), the ``[4096, 32000]`` LM head
-    rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
+    the groups run over the flatten, and only its first axis of more than one value qualifies,
+    when each shard's block of the flatten holds whole groups. Llama-2-7B on 8 devices: the
+    ``[4096, 11008]`` gate and up projections split rows (11008 / 8 = 1376 columns would be
+    10.75 groups), the ``[11008, 4096]`` down projection rows too (largest axis), the
+    ``[4096, 32000]`` LM head rows (4000 columns: 31.25 groups). Ties go to the earliest axis.
 
     Examples:
       >>> fsdp_spec((4096, 11008), 8)

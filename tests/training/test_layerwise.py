@@ -58,7 +58,7 @@ def assert_same_training(got, want, bounds=None):
     The layerwise step sums the gradient norm's squares layer by layer and XLA fuses its
     bfloat16 work differently; Adam turns such rounding in near-zero gradient components into
     full steps, so parameters are compared by each tensor's relative distance (the measured
-    distances: docs/bench_e2e.md's layerwise drift tables; a missed update is orders larger). (COAT's steps
+    distances: docs/bench_e2e.md's layerwise drift tables). (COAT's steps
     here agree bit for bit on the CPU; a wrong layer order or a missed update is off by orders
     more.)
     """
