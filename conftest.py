@@ -19,6 +19,12 @@ compiled again by another test, another pytest-xdist worker or a ``train.py`` ch
   a flag already in ``XLA_FLAGS`` keeps its value.
 
 ``COAT_JAX_TEST_COMPILE=default`` turns all of them off.
+
+Under coverage (CI's ``--cov``), the test bodies listed in ``tests/untraced_bodies.txt`` run
+without the tracer (pytest-cov's ``no_cover``). The tracer slows every Python line JAX runs while
+it traces a program, and those bodies reach no line or branch of the library that collection,
+fixtures or a traced body before them does not reach too, so the coverage report is the same.
+``tools/coverage_overlap.py`` checks and rewrites the list from a run with per-test contexts.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
+
+import pytest
+
+UNTRACED_BODIES = Path(__file__).resolve().parent / "tests" / "untraced_bodies.txt"
 
 CPU_TEST_XLA_FLAGS = (
     "--xla_backend_optimization_level=0",
@@ -54,3 +65,18 @@ def _fast_compile_settings() -> None:
 
 
 _fast_compile_settings()
+
+
+def untraced_bodies() -> set[str]:
+    """The node ids listed in :data:`UNTRACED_BODIES` (comments and blank lines skipped)."""
+    if not UNTRACED_BODIES.exists():
+        return set()
+    lines = (line.strip() for line in UNTRACED_BODIES.read_text().splitlines())
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(items):
+    listed = untraced_bodies()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.no_cover)
