@@ -340,13 +340,10 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_the_resumed_run_matches_
         f"relative parameter difference {rel:.2e}, {int(np.sum(flat2 != flat1))} of "
         f"{flat1.size} parameters differ"
     )
-    # Measured (JAX 0.10.2, 4 steps): losses 0 to 1 float32 ulp apart (relative 9.7e-8 at
-    # most), the parameter vector 6.2e-9 (relative; 5983 of 70080 values differ, by ulps): the
-    # all-reduce orders differ, nothing else does. In another run on the same kind of
-    # machine: losses 1.95e-7 apart, parameters 1.15e-5 (24503 values
-    # differ): an ulp in a gradient now and then moves an FP8 moment code across a rounding tie,
-    # and Adam turns that into a parameter step a fraction of the learning rate different.
+    # Not bit-equal: gloo's all-reduce adds the partial sums in another order than one process
+    # does, an ulp in a gradient now and then moves an FP8 moment code across a rounding tie,
+    # and Adam turns that into a parameter step a fraction of the learning rate different
+    # (docs/sharding.md, "Measured on the CPU").
     assert worst < 1e-6
     assert rel < 5e-5
-    # Measured: validation losses 1.2e-6 apart (relative), after the steps above.
     assert two[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5)
