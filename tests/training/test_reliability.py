@@ -284,9 +284,10 @@ def test_skip_nonfinite_leaves_the_state_alone_on_a_bad_gradient():
 
 def test_kill_9_during_a_checkpoint_write_and_a_second_trainer(tmp_path, caches, train_py):
     # The child trainer's write of checkpoint 8 never finishes, so it holds the lock (and
-    # hangs at its next save, which waits for that one) until it is killed.
+    # hangs at its next save, which waits for that one) until it is killed. The straight run
+    # it is compared with needs no checkpoint but its last.
     run = (LONG, "checkpoint.every=4")
-    straight = train(mini(tmp_path / "straight", caches, *run), stop_at=12, say=quiet)
+    straight = train(mini(tmp_path / "straight", caches, LONG), stop_at=12, say=quiet)
     out, marker = tmp_path / "killed", tmp_path / "writing"
     first = child(
         "tests/fault_child.py",

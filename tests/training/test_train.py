@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,10 @@ from tests.tiny_runs import compilation_cache, tiny_run
 REPO = Path(__file__).resolve().parents[2]
 
 TINY = [*tiny_run(), "optimizer.learning_rate=3e-3", "eval.batches=2"]
+
+# The schedule's length is compiled into the step: runs on this long schedule, stopped with
+# stop_at or a signal, share one program.
+LONG = "steps=100000"
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +263,10 @@ def test_fp8_kernels_unset_follow_the_model_width_and_tokens_per_device():
         fp8_ops_auto(big, devices=0)
 
 
-def test_train_py_reports_config_errors_without_traceback():
-    proc = subprocess.run(
-        [sys.executable, "train.py", "stepz=3"], cwd=REPO, capture_output=True, text=True
-    )
-    assert proc.returncode == 2
-    assert "unknown config key(s) stepz" in proc.stderr and "Traceback" not in proc.stderr
+def test_train_py_reports_config_errors_without_traceback(train_py):
+    code, _, err = train_py("stepz=3")
+    assert code == 2
+    assert "unknown config key(s) stepz" in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- the real step
@@ -387,11 +390,11 @@ def test_deterministic_passes_xlas_option_and_keeps_the_numbers(tmp_path, cache_
     from coat_jax.training.program import compiler_options
 
     assert "xla_gpu_deterministic_ops" not in (compiler_options(tiny(tmp_path, cache_dir)) or {})
-    cfg = tiny(tmp_path / "det", cache_dir, "steps=6", "xla.deterministic=true")
+    cfg = tiny(tmp_path / "det", cache_dir, LONG, "xla.deterministic=true")
     assert compiler_options(cfg)["xla_gpu_deterministic_ops"] is True
     if jax.default_backend() != "cpu":
         pytest.skip("the same numbers with and without the option: the CPU only")
-    det = train(cfg)
+    det = train(cfg, stop_at=6)
     plain_out, plain = good  # the same run without the option
     assert losses(tmp_path / "det") == losses(plain_out)
     assert tree_bytes(det.params) == tree_bytes(plain.params)
@@ -517,10 +520,12 @@ def test_deterministic_gpu_runs_repeat_bit_for_bit(tmp_path, cache_dir):
 
 def test_a_checkpoint_resumes_in_the_other_layer_layout(tmp_path, cache_dir):
     # Unrolled for 4 steps, then scanned (with COAT's remat policy) to 8: the FP8 optimizer
-    # state is stacked on restore, and the run continues as the unrolled one does.
+    # state is stacked on restore, and the run continues as the unrolled one does. The unrolled
+    # run's folder without its step-8 checkpoint is that run stopped after step 4.
     f32 = ("steps=8", "precision.compute_dtype=float32")
-    straight = train(tiny(tmp_path / "straight", cache_dir, *f32))
-    train(tiny(tmp_path / "split", cache_dir, *f32), stop_at=4)
+    straight = train(tiny(tmp_path / "straight", cache_dir, *f32, "checkpoint.every=4"))
+    shutil.copytree(tmp_path / "straight", tmp_path / "split")
+    shutil.rmtree(tmp_path / "split" / "checkpoints" / "8")
     resumed = train(
         tiny(
             tmp_path / "split",
@@ -552,44 +557,12 @@ def test_a_checkpoint_resumes_in_the_other_layer_layout(tmp_path, cache_dir):
     assert all(abs(l1[s] - l2[s]) <= 1e-4 * l1[s] for s in l1)
 
 
-def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    args = [*TINY, f"output_dir={out}", *cache_overrides(cache_dir), "steps=100000"]
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            metrics = out / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read()
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, output
-    assert "received SIGTERM" in output
-    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    assert len(steps) == 1 and steps[0] >= 3
-    assert max(losses(out)) == steps[0]
-    resumed = train(tiny(out, cache_dir, f"steps={steps[0] + 2}", "resume=true"))
-    assert resumed.step == steps[0] + 2
-    assert sorted(losses(out)) == list(range(1, steps[0] + 3))
-
-
 @pytest.fixture(scope="module")
 def good(tmp_path_factory, cache_dir):
-    """A finished 6-step run: its output_dir and its result."""
+    """A run stopped after 6 steps of the long schedule: its output_dir and its result. The
+    SIGTERM test's trainer runs the same program, so it loads it from the compilation cache."""
     out = tmp_path_factory.mktemp("good") / "run"
-    return out, train(tiny(out, cache_dir, "steps=6"))
+    return out, train(tiny(out, cache_dir, LONG), stop_at=6)
 
 
 @pytest.fixture(scope="module")
@@ -667,30 +640,113 @@ def _delete_arrays(run):
         f.unlink()
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [_corrupt_largest_array_file, _truncate_largest_array_file, _break_metadata, _delete_arrays],
-)
-def test_corrupt_checkpoint_is_refused_and_left_alone(good_run, tmp_path, cache_dir, damage):
-    import shutil
+DAMAGES = [
+    _corrupt_largest_array_file,
+    _truncate_largest_array_file,
+    _break_metadata,
+    _delete_arrays,
+]
 
-    run = tmp_path / "run"
-    shutil.copytree(good_run, run)
-    damage(run)
-    before = dir_digest(run)
-    # Through train.py in a child process: its whole stderr, exit code included.
-    overrides = [*TINY, f"output_dir={run}", *cache_overrides(cache_dir), "steps=8", "resume=true"]
+# train.py's main on each damaged run in turn, in one child process: each run's stderr (file
+# descriptor 2, Orbax's and TensorStore's C++ logging included) goes to a file of its own, its
+# exit code to the report; what the process writes to stderr besides goes to the test.
+RESUME_EACH = textwrap.dedent(
+    """
+    import importlib.util, json, os, sys
+    spec = importlib.util.spec_from_file_location("train_script", "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    report = {}
+    for name, (args, stderr) in json.loads(sys.argv[1]).items():
+        sys.stderr.flush()
+        console = os.dup(2)
+        with open(stderr, "w") as f:
+            os.dup2(f.fileno(), 2)
+            try:
+                report[name] = train_script.main(args)
+            finally:
+                sys.stderr.flush()
+                os.dup2(console, 2)
+                os.close(console)
+    print("REPORT" + json.dumps(report))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def corrupt_runs(good_run, tmp_path_factory, cache_dir):
+    """A copy of ``good_run`` per damage, damaged, resumed through train.py: its folder, its
+    digest before the resume, the exit code and stderr, and the child's other stderr."""
+    root = tmp_path_factory.mktemp("corrupt")
+    runs, cases = {}, {}
+    for damage in DAMAGES:
+        run = root / damage.__name__
+        shutil.copytree(good_run, run)
+        damage(run)
+        runs[damage.__name__] = run, dir_digest(run)
+        overrides = [*TINY, f"output_dir={run}", *cache_overrides(cache_dir), "steps=8"]
+        cases[damage.__name__] = [*overrides, "resume=true"], str(root / f"{run.name}.stderr")
     proc = subprocess.run(
-        [sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-c", RESUME_EACH, json.dumps(cases)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "REPORT" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.split("REPORT", 1)[1])
+    return {
+        name: (run, before, codes[name], Path(cases[name][1]).read_text(), proc.stderr)
+        for name, (run, before) in runs.items()
+    }
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_corrupt_checkpoint_is_refused_and_left_alone(corrupt_runs, damage):
+    # Through train.py in a child process: its whole stderr, exit code included.
+    run, before, code, stderr, other_stderr = corrupt_runs[damage.__name__]
+    assert code == 2, stderr[-2000:]
     # stderr is the error alone (no Orbax noise, no TensorStore spec): at most three lines,
     # the remedy first.
-    error = proc.stderr.strip().splitlines()
-    assert 1 <= len(error) <= 3 and "tensorstore_spec" not in proc.stderr, proc.stderr[-2000:]
+    assert other_stderr == "", other_stderr[-2000:]
+    error = stderr.strip().splitlines()
+    assert 1 <= len(error) <= 3 and "tensorstore_spec" not in stderr, stderr[-2000:]
     assert error[0].startswith("error: CheckpointError: there is no earlier checkpoint: start a")
     assert re.search(r"checkpoint step 6 .* is unreadable", error[1])
     assert dir_digest(run) == before
+
+
+def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    args = [*TINY, f"output_dir={out}", *cache_overrides(cache_dir), LONG]
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "received SIGTERM" in output
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(steps) == 1 and steps[0] >= 3
+    assert max(losses(out)) == steps[0]
+    resumed = train(tiny(out, cache_dir, f"steps={steps[0] + 2}", "resume=true"))
+    assert resumed.step == steps[0] + 2
+    assert sorted(losses(out)) == list(range(1, steps[0] + 3))
 
 
 # ----------------------------------------------------------------------------- several devices

@@ -4,6 +4,7 @@ their weights and repeat from the seed; bad data fails with one line and caches 
 from __future__ import annotations
 
 import json
+import shutil
 import tracemalloc
 import types
 from pathlib import Path
@@ -233,9 +234,11 @@ def mixture_runs(tmp_path_factory):
         f"data.cache_dir={tmp_path / 'tokens'}",
         "xla.compilation_cache_dir=null",
     ]
-    cfg = load_config(None, [*common, f"output_dir={tmp_path / 'a'}"])
+    cfg = load_config(None, [*common, f"output_dir={tmp_path / 'a'}", "checkpoint.every=2"])
     straight = train(cfg)
-    train(load_config(None, [*common, f"output_dir={tmp_path / 'b'}"]), stop_at=2)
+    # The straight run's folder without its step-4 checkpoint: that run stopped after step 2.
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
     resumed = train(load_config(None, [*common, f"output_dir={tmp_path / 'b'}", "resume=true"]))
     tok = make_tokenizer("byte", None)
     files = [
