@@ -145,8 +145,9 @@ def test_tiny_smoke_run(tmp_path, trainer_caches, monkeypatch):
     args += ["--out", str(runs), "--results-dir", str(out)]
     args += ["--override", f"data.cache_dir={trainer_caches / 'tokens'}"]
     args += ["xla.compilation_cache_dir=null", "eval.at_start=true"]
-    # Small batches and one evaluation batch: the smoke run checks the study's plumbing.
-    args += ["data.batch_size=4", "eval.batches=1"]
+    # One layer, short sequences, small batches and one evaluation batch: the smoke run checks
+    # the study's plumbing.
+    args += ["model.num_hidden_layers=1", "data.seq_len=32", "data.batch_size=4", "eval.batches=1"]
     monkeypatch.chdir(tmp_path)
     assert accuracy.main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

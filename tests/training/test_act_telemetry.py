@@ -356,18 +356,17 @@ def conds_outputs(jaxpr) -> list[list[int]]:
     return out
 
 
-def layerwise_step(cfg, activations):
-    """The trainer's optimizer_in_backward program and its step built with ``activations``
-    (the trainer refuses telemetry there: the optimizer state's needs the whole gradient)."""
-    prog = build_program(cfg, cfg.model)
-    step = layerwise.make_train_step(
+def layerwise_step(prog, activations):
+    """The step of the trainer's optimizer_in_backward program ``prog`` built with
+    ``activations`` (the trainer refuses telemetry there: the optimizer state's needs the whole
+    gradient)."""
+    return layerwise.make_train_step(
         prog.model_def,
-        make_optimizer(cfg, prog.schedule),
+        make_optimizer(prog.cfg, prog.schedule),
         functools.partial(loss_from_hidden, prog.model_def),
-        fused_apply=cfg.fused_apply,
+        fused_apply=prog.cfg.fused_apply,
         activations=activations,
     )
-    return prog, step
 
 
 def test_optimizer_in_backward_reports_the_scales_and_trains_as_without():
@@ -380,8 +379,8 @@ def test_optimizer_in_backward_reports_the_scales_and_trains_as_without():
         "optimizer.in_backward=true",
     )
     telemetry = ActivationTelemetry(every=3)
-    prog, with_it = layerwise_step(cfg, telemetry)
-    _, without = layerwise_step(cfg, None)
+    prog = build_program(cfg, cfg.model)
+    with_it, without = layerwise_step(prog, telemetry), layerwise_step(prog, None)
 
     @functools.partial(jax.jit, compiler_options=NO_EXCESS)
     def both(params, state, tokens_ABT1):

@@ -15,7 +15,7 @@ import optax
 import pytest
 from jax.extend.core import jaxprs_in_params
 
-from coat_jax import coat_adamw, fp8_state, quant
+from coat_jax import coat_adamw, fp8_state, optim, quant
 from coat_jax.optim import dequantized_moments
 from coat_jax.training import load_config, program, train
 from coat_jax.training.optimizers import make_optimizer
@@ -315,18 +315,26 @@ def assert_same_telemetry(got: dict, want: dict) -> None:
             assert got[k] == v, (k, got[k], v)
 
 
+@functools.cache
+def interpret_coat():
+    """Clipped coat_adamw in Pallas interpret mode and its jitted ``apply_gradients``: one
+    object, so that the parametrizations of the fused-apply test trace, lower and compile the
+    plain step (the telemetry's reference) once."""
+    tx = optim.chain(
+        optim.clip_by_global_norm(CLIP), coat_adamw(1e-3, b1=B1, b2=B2, interpret=True)
+    )
+    return tx, jax.jit(lambda g, s, p: optim.apply_gradients(tx, g, s, p))
+
+
 @pytest.mark.parametrize("every", [1, 2])
 def test_apply_keeps_the_fused_kernel_and_reports_what_update_reports(every):
     """``StateTelemetry.apply``, the trainer's step with the telemetry on: coat_adamw's fused
     apply kernel and no separate update kernel; the new parameters and state of
     ``apply_gradients`` bit for bit; the metrics of ``update`` (the same samples of the old
     state, the same new moments) wherever it computes them."""
-    from coat_jax import optim
     from tests.optim.test_fused_apply import _pallas_calls
 
-    tx = optim.chain(
-        optim.clip_by_global_norm(CLIP), coat_adamw(1e-3, b1=B1, b2=B2, interpret=True)
-    )
+    tx, plain = interpret_coat()
     telemetry = StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, every=every)
     params, grads = problem()
     state = tx.init(params)
@@ -334,7 +342,6 @@ def test_apply_keeps_the_fused_kernel_and_reports_what_update_reports(every):
     assert names and all("coat_adamw_apply" in n for n in names), names
     fused = jax.jit(lambda g, s, p: telemetry.apply(tx, g, s, p))
     split = jax.jit(lambda g, s, p: telemetry.update(tx, g, s, p))
-    plain = jax.jit(lambda g, s, p: optim.apply_gradients(tx, g, s, p))
     computed = []
     for i in range(STEPS):
         new_params, new_state, metrics = fused(grads(i), state, params)
