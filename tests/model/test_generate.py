@@ -26,7 +26,6 @@ from coat_jax.llama import (
     rope_inv_freq,
     stack_layers,
 )
-from tests.model.test_gguf import smollm_gguf  # noqa: F401  (a fixture)
 
 TINY = LlamaConfig(
     vocab_size=97,
@@ -159,19 +158,19 @@ SMOL_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def smollm_hf(smollm_gguf, tmp_path_factory):  # noqa: F811
+def smollm_hf(smollm_gguf, tmp_path_factory):
     # In this process: the convert command line runs as a program in tests/model/test_convert.py.
     folder = tmp_path_factory.mktemp("smollm2_hf")
     assert convert_main(["gguf-to-hf", smollm_gguf, str(folder)]) == 0
     return folder
 
 
-def test_smollm2_greedy_matches_transformers_generate(smollm_gguf, smollm_hf, capsys):  # noqa: F811
+def test_smollm2_greedy_matches_transformers_generate(smollm_tokenizer, smollm_hf, capsys):
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(smollm_hf)
-    ours_tok = coat_jax.load_tokenizer(smollm_gguf)
+    ours_tok = smollm_tokenizer
     prompts = [tok(p)["input_ids"] for p in SMOL_PROMPTS]
     assert prompts == [ours_tok(p)["input_ids"] for p in SMOL_PROMPTS]
     assert tok.chat_template == ours_tok.chat_template and "<|im_start|>" in tok.chat_template

