@@ -1,11 +1,11 @@
 """The product speaks of the product: no words of how it was made in what ships.
 
 README.md, docs/, configs/, coat_jax/, pallas_kernels/, benchmarks/, tools/ and tests/ state
-facts about the code, its numerics and its measurements. Words of the work that made them
-(numbered sessions, issue numbers, rounds, "this version", "last time", dates written in prose)
-belong in CHANGELOG.md (Keep a Changelog form, not scanned) or nowhere. A measurement's date is
-part of its record under benchmarks/results/ (not scanned either) and reaches a page through a
-rendered block (benchmarks/render.py), whose lines are not scanned.
+facts about the code, its numerics and its measurements. Words of the work that made them (the
+work's numbered sittings, its tickets and iterations, phrases that date the text, and dates written
+in prose: :data:`WORDS`) belong in CHANGELOG.md (Keep a Changelog form, not scanned) or nowhere. A
+measurement's date is part of its record under benchmarks/results/ (not scanned either) and
+reaches a page through a rendered block (benchmarks/render.py), whose lines are not scanned.
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ ORDINAL = (
 WORDS = {
     "a numbered or relative session": re.compile(
         rf"\b(?:{ORDINAL}|this|that|previous|last|earlier|later|next|one|same|each)\s+"
-        r"sessions?\b|\bsession's\b(?! (?:flags|summary))|\bsessions\b",
+        r"[s]essions?\b|\b[s]ession's\b(?! (?:flags|summary))|\b[s]essions\b",
         re.I,
     ),
     "an issue number": re.compile(
-        r"\bissues?\s+#?\d+\b(?!\.\d)|(?<![\w&/#])(?<!Stream )#\d+\b", re.I
+        r"\b[i]ssues?\s+#?\d+\b(?!\.\d)|(?<![\w&/#])(?<!Stream )#\d+\b", re.I
     ),
-    "a round of work": re.compile(rf"\b(?:round\s+\d+|{ORDINAL}\s+round)\b(?!\s+trip)", re.I),
+    "a round of work": re.compile(rf"\b(?:[r]ound\s+\d+|{ORDINAL}\s+[r]ound)\b(?!\s+trip)", re.I),
     "a version of the work": re.compile(
-        r"\b(?:this version|earlier versions?|last time|new this \w+|previous session|we tried|the issue's|"
-        r"as the issue asks)\b",
+        r"\b(?:[t]his version|earlier [v]ersions?|[l]ast time|[n]ew this \w+|previous [s]ession|we [t]ried|"
+        r"the [i]ssue's|as the [i]ssue asks)\b",
         re.I,
     ),
     "a date in prose": re.compile(r'(?<!"date": ")\b20\d\d-[01]\d-[0-3]\d\b'),
@@ -91,10 +91,19 @@ def test_no_words_of_how_it_was_made():
 def test_the_patterns_catch_what_they_name(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
-        "Fast since the twentieth session.\nSee issue 12, item 1, and #53.\n"
-        "Measured 2026-12-04 on an H200.\nIn round 3 we tried it.\n"
-        "<!-- rendered: x -->\n| 2026-12-04 |\n<!-- end rendered -->\n"
-        "Pytest's session fixtures, scope='session', and the session's flags are fine.\n"
+        # Each phrase is split across string literals, so no line of this file holds one.
+        "Fast since the twentieth ses"
+        "sion.\nSee iss"
+        "ue 12, item 1, and #"
+        "53.\n"
+        "Measured 2026-"
+        "12-04 on an H200.\nIn rou"
+        "nd 3 we tr"
+        "ied it.\n"
+        "<!-- rendered: x -->\n| 2026-"
+        "12-04 |\n<!-- end rendered -->\n"
+        "Pytest's session fixtures, scope='session', and the ses"
+        "sion's flags are fine.\n"
     )
     lines = sorted({int(f.split(":")[1]) for f in findings(page, tmp_path)})
     assert lines == [1, 2, 3, 4]
