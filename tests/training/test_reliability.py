@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from coat_jax.training.checkpoint import CheckpointSaveError, _fmt_bytes, state_
 from coat_jax.training.errors import DivergedError
 from coat_jax.training.optimizers import skip_nonfinite
 from coat_jax.training.program import make_schedule
+from tests.signals import stop_with_sigterm
 from tests.tiny_runs import compilation_cache, tiny_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -384,14 +384,8 @@ def test_sigterm_saves_within_a_step(tmp_path, caches):
     out = tmp_path / "run"
     # log_every=1000: the loss is still checked at every step (bounded dispatch), not logged.
     proc = child("train.py", *mini_args(out, caches, LONG, "logging.every=1000"))
-    try:
-        wait_for(lambda: (out / "metrics.jsonl").exists() and records(out), proc)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, output
+    wait_for(lambda: (out / "metrics.jsonl").exists() and records(out), proc)
+    output = stop_with_sigterm(proc)
     finished = int(re.search(r"received SIGTERM after step (\d+)", output).group(1))
     (saved,) = [int(n) for n in step_dirs(out)]
     print(f"SIGTERM after step {finished} finished; checkpoint at step {saved}")
@@ -409,16 +403,10 @@ def test_sigterm_during_the_first_compilation_stops_at_once(tmp_path, caches):
     proc = child(
         "train.py", *mini_args(out, caches, LONG, "xla.compilation_cache_dir=null"), env=env
     )
-    try:
-        for line in proc.stdout:
-            if "compiling the train step" in line:
-                break
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, output
+    for line in proc.stdout:
+        if "compiling the train step" in line:
+            break
+    output = stop_with_sigterm(proc)
     assert "received SIGTERM while compiling the train step: stopping (no step has run)" in output
     assert (
         "stopped by SIGTERM before the first step ran; nothing to save (the run is at step 0"

@@ -13,7 +13,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,6 +29,7 @@ from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
 from tests.fake_devices import xla_flags
 from tests.jaxprs import pallas_calls
+from tests.signals import stop_with_sigterm
 from tests.tiny_runs import compilation_cache, tiny_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -726,20 +726,14 @@ def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path, cache_dir):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            metrics = out / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read()
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, output
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read()
+    output = stop_with_sigterm(proc)
     assert "received SIGTERM" in output
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert len(steps) == 1 and steps[0] >= 3
