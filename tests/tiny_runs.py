@@ -2,9 +2,22 @@
 test-only switch that runs the trainer's kernels in Pallas interpret mode."""
 
 import contextlib
+import importlib.util
 import os
+from pathlib import Path
 
 from coat_jax.training.optimizers import PALLAS_INTERPRET_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_train_script():
+    """train.py loaded as a module: its ``main(argv)`` runs the command line in this process
+    (no interpreter and JAX to start), returning the exit code."""
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def compilation_cache(folder) -> str:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.tiny_runs import load_train_script
 
 
 @pytest.fixture(scope="session")
@@ -20,12 +19,8 @@ def trainer_caches(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def train_script():
-    """train.py loaded as a module: its ``main(argv)`` runs the command line in this process
-    (no interpreter and JAX to start), returning the exit code."""
-    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """train.py loaded as a module (:func:`tests.tiny_runs.load_train_script`)."""
+    return load_train_script()
 
 
 @pytest.fixture

@@ -652,10 +652,9 @@ DAMAGES = [
 # exit code to the report; what the process writes to stderr besides goes to the test.
 RESUME_EACH = textwrap.dedent(
     """
-    import importlib.util, json, os, sys
-    spec = importlib.util.spec_from_file_location("train_script", "train.py")
-    train_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_script)
+    import json, os, sys
+    from tests.tiny_runs import load_train_script
+    train_script = load_train_script()
     report = {}
     for name, (args, stderr) in json.loads(sys.argv[1]).items():
         sys.stderr.flush()
