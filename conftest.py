@@ -20,16 +20,18 @@ compiled again by another test, another pytest-xdist worker or a ``train.py`` ch
 
 ``COAT_JAX_TEST_COMPILE=default`` turns all of them off.
 
-Under coverage (CI's ``--cov``), the test bodies listed in ``tests/untraced_bodies.txt`` run
-without the tracer (pytest-cov's ``no_cover``). The tracer slows every Python line JAX runs while
-it traces a program, and those bodies reach no line or branch of the library that collection,
-fixtures or a traced body before them does not reach too, so the coverage report is the same.
-``tools/coverage_overlap.py`` checks and rewrites the list from a run with per-test contexts.
+Under coverage (CI's ``--cov``), the test bodies and the fixtures' set-ups listed in
+``tests/untraced_bodies.txt`` run without the tracer (pytest-cov's ``no_cover``, and its pause
+around a listed fixture). The tracer slows every Python line JAX runs while it traces a program,
+and what is listed reaches no line or branch of the library that collection or traced code before
+it does not reach too, so the coverage report is the same. ``tools/coverage_overlap.py`` checks
+and rewrites the list from a run with per-test contexts.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -67,12 +69,35 @@ def _fast_compile_settings() -> None:
 _fast_compile_settings()
 
 
-def untraced_bodies() -> set[str]:
-    """The node ids listed in :data:`UNTRACED_BODIES` (comments and blank lines skipped)."""
-    if not UNTRACED_BODIES.exists():
-        return set()
+FIXTURE = "fixture "
+# Set for tools/coverage_overlap.py's contexts run: everything runs traced, and each fixture's
+# set-up gets a coverage context of its own, so the tool can tell a fixture's arcs from those of
+# the test that first requested it.
+CONTEXTS_RUN = "COAT_JAX_COVERAGE_CONTEXTS"
+
+
+def _listed() -> list[str]:
+    if os.environ.get(CONTEXTS_RUN) == "1" or not UNTRACED_BODIES.exists():
+        return []
     lines = (line.strip() for line in UNTRACED_BODIES.read_text().splitlines())
-    return {line for line in lines if line and not line.startswith("#")}
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def untraced_bodies() -> set[str]:
+    """The test node ids listed in :data:`UNTRACED_BODIES` (comments and blank lines skipped)."""
+    return {line for line in _listed() if not line.startswith(FIXTURE)}
+
+
+@functools.cache
+def untraced_fixtures() -> frozenset[str]:
+    """The fixtures listed in :data:`UNTRACED_BODIES` (``fixture <key>`` lines, keys as
+    :func:`fixture_key`): their set-up runs without the tracer."""
+    return frozenset(line[len(FIXTURE) :] for line in _listed() if line.startswith(FIXTURE))
+
+
+def fixture_key(fixturedef) -> str:
+    """``<where it is defined>::<name>``: the defining module's or conftest folder's node id."""
+    return f"{fixturedef.baseid}::{fixturedef.argname}"
 
 
 def pytest_collection_modifyitems(items):
@@ -80,3 +105,35 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.no_cover)
+
+
+_running: dict[str, str] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _running["nodeid"] = item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    controller = getattr(request.config.pluginmanager.get_plugin("_cov"), "cov_controller", None)
+    if controller is None or not controller.started:
+        yield
+        return
+    key = fixture_key(fixturedef)
+    if os.environ.get(CONTEXTS_RUN) == "1":
+        nodeid = _running.get("nodeid", "")
+        before = controller.cov.switch_context(f"{nodeid}|{FIXTURE}{key}")
+        try:
+            yield
+        finally:
+            controller.cov.switch_context(before or f"{nodeid}|setup")
+    elif key in untraced_fixtures():
+        controller.pause()
+        try:
+            yield
+        finally:
+            controller.resume()
+    else:
+        yield

@@ -1,20 +1,24 @@
-"""Chooses the tests whose bodies run without the coverage tracer (tests/untraced_bodies.txt):
-those whose lines and branches of coat_jax and pallas_kernels other, traced tests reach first.
+"""Chooses the test bodies and fixtures that run without the coverage tracer
+(tests/untraced_bodies.txt): those whose lines and branches of coat_jax and pallas_kernels other,
+traced code reaches first.
 
 The tracer slows every Python line JAX runs while it traces a program, and most tests trace
-the same library code again; a test body that reaches nothing new need not be traced. This
-reads a coverage data file written with per-test contexts:
+the same library code again; a test body or a fixture's set-up that reaches nothing new need not
+be traced. This reads a coverage data file written with per-test contexts, each fixture's set-up
+in a context of its own (conftest.py's CONTEXTS_RUN, which also runs everything traced):
 
-    python -m pytest -n 2 --cov=coat_jax --cov=pallas_kernels --cov-branch \\
-        --cov-context=test --cov-report= --durations=0 > durations.txt
+    COAT_JAX_COVERAGE_CONTEXTS=1 python -m pytest -n 2 --cov=coat_jax --cov=pallas_kernels \\
+        --cov-branch --cov-context=test --cov-report= --durations=0 > durations.txt
     python tools/coverage_overlap.py .coverage durations.txt          # check the list
     python tools/coverage_overlap.py .coverage durations.txt --write  # choose it again
 
-A listed body may rely only on arcs that collection, a fixture, or a traced body earlier in
-the collection order reaches: a body that runs later can find a program traced and cached
-already, so it is not counted on. The check prints every arc that only listed bodies reach, and
-every listed test that is no longer collected, and exits with status 1 if there is one.
-``--write`` chooses the list again, slowest bodies first.
+A listed unit may rely
+only on arcs that collection, the rest of set-up and tear-down, or a traced unit earlier in the
+run reaches: a unit that runs later can find a program traced and cached already, so it is not
+counted on. A fixture's place is just before the body of the first test, in collection order,
+that ran it. The check prints every arc that only listed units reach, and every listed unit that
+is no longer collected or reaches nothing, and exits with status 1 if there is one. ``--write``
+chooses the list again, slowest first.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from conftest import FIXTURE, untraced_bodies, untraced_fixtures  # noqa: E402
 from conftest import UNTRACED_BODIES as LIST  # noqa: E402
-from conftest import untraced_bodies  # noqa: E402
 
 HEADER = """\
-# Test bodies that run without the coverage tracer (conftest.py): every line and branch of
-# coat_jax and pallas_kernels they reach, collection, fixtures or a traced body before them reach
-# too. Written by tools/coverage_overlap.py --write; a test not found here runs traced.
+# Test bodies, and fixtures' set-ups ("fixture <where defined>::<name>"), that run without the
+# coverage tracer (conftest.py): every line and branch of coat_jax and pallas_kernels they reach,
+# collection or traced code before them reaches too. Written by tools/coverage_overlap.py --write;
+# what is not found here runs traced.
 """
 # Tests whose bodies mostly wait on child processes, which run untraced anyway: nothing to gain.
 CHILD_PROCESS_FILES = (
@@ -45,9 +50,11 @@ CHILD_PROCESS_FILES = (
 )
 
 
-def arcs_by_body(data_file: Path) -> tuple[dict[str, set], set]:
-    """The arcs each test body reaches (pytest-cov's ``nodeid|run`` contexts), and the arcs
-    reached anywhere else (collection, set-up, tear-down)."""
+def arcs_by_unit(data_file: Path) -> tuple[dict[str, set], set, dict[str, set]]:
+    """The arcs each test body (pytest-cov's ``nodeid|run`` contexts) and each fixture's set-up
+    (conftest's ``nodeid|fixture <key>`` contexts) reaches, the arcs reached anywhere else
+    (collection, the rest of set-up, tear-down), and for each fixture the tests whose set-up
+    ran it. Units are named by node id, or ``fixture <key>``."""
     con = sqlite3.connect(data_file)
     contexts = dict(con.execute("select id, context from context"))
     if not any(c.endswith("|run") for c in contexts.values()):
@@ -55,23 +62,37 @@ def arcs_by_body(data_file: Path) -> tuple[dict[str, set], set]:
             f"error: {data_file} has no per-test contexts; run pytest with --cov-context=test"
         )
     files = dict(con.execute("select id, path from file"))
-    bodies: dict[str, set] = collections.defaultdict(set)
+    units: dict[str, set] = collections.defaultdict(set)
+    users: dict[str, set] = collections.defaultdict(set)
     outside: set = set()
     rows = con.execute("select file_id, context_id, fromno, tono from arc")
     for file_id, context_id, start, end in rows:
         nodeid, _, when = contexts[context_id].rpartition("|")
         arc = (files[file_id], start, end)
-        (bodies[nodeid] if when == "run" else outside).add(arc)
-    return bodies, outside
+        if when == "run":
+            units[nodeid].add(arc)
+        elif when.startswith(FIXTURE):
+            units[when].add(arc)
+            users[when].add(nodeid)
+        else:
+            outside.add(arc)
+    return units, outside, users
 
 
-def body_seconds(durations: Path) -> dict[str, float]:
-    """Seconds of each test body (pytest's ``call`` durations)."""
-    seconds = {}
+def unit_seconds(durations: Path, users: dict[str, set]) -> dict[str, float]:
+    """Seconds of each test body (pytest's ``call`` durations) and of each fixture: the set-up
+    durations of the tests that ran it, shared among the fixtures each of those set up."""
+    seconds, setup = {}, {}
     for line in durations.read_text().splitlines():
-        found = re.match(r"\s*([\d.]+)s\s+call\s+(\S+)", line)
+        found = re.match(r"\s*([\d.]+)s\s+(call|setup)\s+(\S+)", line)
         if found:
-            seconds[found.group(2)] = float(found.group(1))
+            (seconds if found.group(2) == "call" else setup)[found.group(3)] = float(found.group(1))
+    fixtures_of = collections.defaultdict(set)
+    for fixture, nodeids in users.items():
+        for nodeid in nodeids:
+            fixtures_of[nodeid].add(fixture)
+    for fixture, nodeids in users.items():
+        seconds[fixture] = sum(setup.get(n, 0.0) / len(fixtures_of[n]) for n in nodeids)
     return seconds
 
 
@@ -88,22 +109,36 @@ def collection_order() -> dict[str, int]:
     return {nodeid: i for i, nodeid in enumerate(ids)}
 
 
-class Reach:
-    """Per arc: the positions of the traced bodies that reach it, and the first untraced one."""
+def positions(units: dict[str, set], users: dict[str, set], order: dict[str, int]) -> dict:
+    """Each unit's place in the run: a fixture's set-up comes just before the body of the first
+    test (in collection order) that ran it, a body right after its own set-up."""
+    at = {}
+    for unit in units:
+        if unit.startswith(FIXTURE):
+            first = min((order[n] for n in users[unit] if n in order), default=None)
+            if first is not None:
+                at[unit] = 2 * first
+        elif unit in order:
+            at[unit] = 2 * order[unit] + 1
+    return at
 
-    def __init__(self, bodies: dict[str, set], outside: set, order: dict[str, int]):
-        self.bodies, self.outside, self.order = bodies, outside, order
+
+class Reach:
+    """Per arc: the positions of the traced units that reach it, and the first untraced one."""
+
+    def __init__(self, units: dict[str, set], outside: set, at: dict[str, int]):
+        self.units, self.outside, self.at = units, outside, at
         self.traced: dict = collections.defaultdict(set)
-        for nodeid, arcs in bodies.items():
+        for unit, arcs in units.items():
             for arc in arcs:
-                self.traced[arc].add(order.get(nodeid, len(order)))
+                self.traced[arc].add(at.get(unit, 2 * len(at) + 2))
         self.first_untraced: dict = {}
 
-    def lost_if_untraced(self, nodeid: str) -> list:
-        """The arcs that no longer count as reached if ``nodeid``'s body runs untraced."""
-        at = self.order[nodeid]
+    def lost_if_untraced(self, unit: str) -> list:
+        """The arcs that no longer count as reached if ``unit`` runs untraced."""
+        at = self.at[unit]
         lost = []
-        for arc in self.bodies[nodeid]:
+        for arc in self.units[unit]:
             if arc in self.outside:
                 continue
             others = self.traced[arc] - {at}
@@ -112,9 +147,9 @@ class Reach:
                 lost.append(arc)
         return lost
 
-    def untrace(self, nodeid: str) -> None:
-        at = self.order[nodeid]
-        for arc in self.bodies[nodeid]:
+    def untrace(self, unit: str) -> None:
+        at = self.at[unit]
+        for arc in self.units[unit]:
             self.traced[arc].discard(at)
             self.first_untraced[arc] = min(self.first_untraced.get(arc, at), at)
 
@@ -125,33 +160,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("durations", type=Path, help="pytest --durations=0 output of that run")
     parser.add_argument("--write", action="store_true", help=f"choose and write {LIST.name}")
     args = parser.parse_args(argv)
-    bodies, outside = arcs_by_body(args.data_file)
-    order = collection_order()
-    reach = Reach(bodies, outside, order)
-    seconds = body_seconds(args.durations)
+    units, outside, users = arcs_by_unit(args.data_file)
+    at = positions(units, users, collection_order())
+    reach = Reach(units, outside, at)
+    seconds = unit_seconds(args.durations, users)
     if args.write:
         chosen = []
-        for nodeid in sorted(seconds, key=seconds.get, reverse=True):
-            if nodeid.startswith(CHILD_PROCESS_FILES) or nodeid not in bodies:
+        for unit in sorted(seconds, key=seconds.get, reverse=True):
+            if unit.startswith(CHILD_PROCESS_FILES) or unit not in at:
                 continue
-            if nodeid in order and not reach.lost_if_untraced(nodeid):
-                reach.untrace(nodeid)
-                chosen.append(nodeid)
-        LIST.write_text(HEADER + "".join(f"{n}\n" for n in sorted(chosen, key=order.get)))
-        spent = sum(seconds[n] for n in chosen)
-        print(f"wrote {len(chosen)} tests ({spent:.0f} s of bodies) to {LIST.relative_to(ROOT)}")
+            if not reach.lost_if_untraced(unit):
+                reach.untrace(unit)
+                chosen.append(unit)
+        LIST.write_text(HEADER + "".join(f"{u}\n" for u in sorted(chosen, key=at.get)))
+        spent = sum(seconds[u] for u in chosen)
+        fixtures = sum(u.startswith(FIXTURE) for u in chosen)
+        print(
+            f"wrote {len(chosen) - fixtures} test bodies and {fixtures} fixtures ({spent:.0f} s) "
+            f"to {LIST.relative_to(ROOT)}"
+        )
         return 0
-    stale = sorted(n for n in untraced_bodies() if n not in order or n not in bodies)
-    for nodeid in stale:
-        print(f"listed but not collected, or not in the coverage data: {nodeid}")
-    listed = sorted((n for n in untraced_bodies() if n in order and n in bodies), key=order.get)
+    listed_units = [*untraced_bodies(), *(FIXTURE + key for key in untraced_fixtures())]
+    stale = sorted(u for u in listed_units if u not in at)
+    for unit in stale:
+        print(f"listed but not collected, or not in the coverage data: {unit}")
+    listed = sorted((u for u in listed_units if u in at), key=at.get)
     lost = set()
-    for nodeid in listed:
-        lost.update((nodeid, arc) for arc in reach.lost_if_untraced(nodeid))
-        reach.untrace(nodeid)
-    for nodeid, (path, start, end) in sorted(lost):
-        print(f"only untraced bodies reach {path} {start}->{end} ({nodeid})")
-    print(f"{len(listed)} listed bodies; {len(lost)} arcs reached only by them; {len(stale)} stale")
+    for unit in listed:
+        lost.update((unit, arc) for arc in reach.lost_if_untraced(unit))
+        reach.untrace(unit)
+    for unit, (path, start, end) in sorted(lost):
+        print(f"only untraced units reach {path} {start}->{end} ({unit})")
+    print(f"{len(listed)} listed units; {len(lost)} arcs reached only by them; {len(stale)} stale")
     return 1 if lost or stale else 0
 
 
