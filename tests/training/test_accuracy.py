@@ -145,9 +145,11 @@ def test_tiny_smoke_run(tmp_path, trainer_caches, monkeypatch):
     args += ["--out", str(runs), "--results-dir", str(out)]
     args += ["--override", f"data.cache_dir={trainer_caches / 'tokens'}"]
     args += ["xla.compilation_cache_dir=null", "eval.at_start=true"]
-    # One layer, short sequences, small batches and one evaluation batch: the smoke run checks
-    # the study's plumbing.
-    args += ["model.num_hidden_layers=1", "data.seq_len=32", "data.batch_size=4", "eval.batches=1"]
+    # A one-layer model of width 32, short sequences, small batches and one evaluation batch:
+    # the smoke run checks the study's plumbing.
+    args += ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1"]
+    args += ["model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16"]
+    args += ["data.seq_len=16", "data.batch_size=4", "eval.batches=1"]
     monkeypatch.chdir(tmp_path)
     assert accuracy.main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

@@ -133,12 +133,21 @@ def test_unknown_key_gets_close_matches_and_the_help():
 # ----------------------------------------------------------------------------- batch_size: auto
 
 
-def test_batch_size_auto_fits_a_fake_limit_and_is_refused_without_one():
+def test_batch_size_auto_fits_a_fake_limit_and_is_refused_without_one(monkeypatch):
     cfg = load_config(DEFAULT, [*TINY, "recipe=bf16", "data.batch_size=auto"])
     with pytest.raises(ValueError, match="backend reports none; set batch_size to a number"):
         plan.resolve_batch(cfg)
-    # The limit: the peak of batch 1. Batch 2's program is the bf16 recipe test's (TINY), which
-    # the test run's compilation cache holds when that test ran first.
+    # Each batch's step is compiled once: the searches below ask again for batch 1's peak,
+    # the limit, of the same program. Batch 2's program is the bf16 recipe test's (TINY),
+    # which the test run's compilation cache holds when that test ran first.
+    real, peaks = plan.compiled_peak, {}
+
+    def peak(program, batch):
+        if batch not in peaks:
+            peaks[batch] = real(program, batch)
+        return peaks[batch]
+
+    monkeypatch.setattr(plan, "compiled_peak", peak)
     fixed = dataclasses.replace(cfg, batch_size=1)
     limit = plan.compiled_peak(build_program(fixed, fixed.model), 1)
     said = []
@@ -150,6 +159,7 @@ def test_batch_size_auto_fits_a_fake_limit_and_is_refused_without_one():
     ]
     with pytest.raises(ValueError, match="not even batch 1 fits the device's"):
         plan.resolve_batch(cfg, limit=limit - 1)
+    assert sorted(peaks) == [1, 2]
 
 
 def test_batch_size_auto_keeps_global_batch_size_by_accumulation(monkeypatch):

@@ -283,15 +283,15 @@ def test_skip_nonfinite_leaves_the_state_alone_on_a_bad_gradient():
 
 
 def test_kill_9_during_a_checkpoint_write_and_a_second_trainer(tmp_path, caches, train_py):
-    # The child trainer's write of checkpoint 8 never finishes, so it holds the lock (and
+    # The child trainer's write of checkpoint 4 never finishes, so it holds the lock (and
     # hangs at its next save, which waits for that one) until it is killed. The straight run
     # it is compared with needs no checkpoint but its last.
-    run = (LONG, "checkpoint.every=4")
-    straight = train(mini(tmp_path / "straight", caches, LONG), stop_at=12, say=quiet)
+    run = (LONG, "checkpoint.every=2")
+    straight = train(mini(tmp_path / "straight", caches, LONG), stop_at=6, say=quiet)
     out, marker = tmp_path / "killed", tmp_path / "writing"
     first = child(
         "tests/fault_child.py",
-        "--block-save=8",
+        "--block-save=4",
         f"--marker={marker}",
         "--",
         *mini_args(out, caches, *run),
@@ -313,22 +313,22 @@ def test_kill_9_during_a_checkpoint_write_and_a_second_trainer(tmp_path, caches,
         f"(pid {first.pid} on "
     ), err
     assert "wait for it to finish or stop it, or choose another output_dir" in err
-    # Step 8 is in Orbax's temporary directory, step 4 complete; the dead trainer's lock stays.
+    # Step 4 is in Orbax's temporary directory, step 2 complete; the dead trainer's lock stays.
     names = step_dirs(out)
-    assert "4" in names and "8" not in names and any(n.startswith("8.") for n in names), names
+    assert "2" in names and "4" not in names and any(n.startswith("4.") for n in names), names
     assert (out / "train.lock").exists()
     lines: list[str] = []
-    resumed = train(mini(out, caches, *run, "resume=true"), stop_at=12, say=lines.append)
+    resumed = train(mini(out, caches, *run, "resume=true"), stop_at=6, say=lines.append)
     said = "\n".join(lines)
     assert f"note: took over the lock of a trainer no longer running (pid {first.pid} on" in said
-    assert re.search(r"removed 8\.orbax-checkpoint-tmp\S*: checkpoint\(s\) an interrupted", said)
-    assert f"resumed from step 4 in {out / 'checkpoints'}" in said
-    assert resumed.step == 12
+    assert re.search(r"removed 4\.orbax-checkpoint-tmp\S*: checkpoint\(s\) an interrupted", said)
+    assert f"resumed from step 2 in {out / 'checkpoints'}" in said
+    assert resumed.step == 6
     assert losses(out) == losses(tmp_path / "straight")
-    assert sorted(losses(out)) == list(range(1, 13))
+    assert sorted(losses(out)) == list(range(1, 7))
     assert tree_bytes(resumed.params) == tree_bytes(straight.params)
     assert tree_bytes(resumed.opt_state) == tree_bytes(straight.opt_state)
-    assert step_dirs(out) == ["12", "4", "8"] and not (out / "train.lock").exists()
+    assert step_dirs(out) == ["2", "4", "6"] and not (out / "train.lock").exists()
 
 
 def test_a_size_limited_disk_is_an_error_and_older_checkpoints_survive(
@@ -537,49 +537,47 @@ def test_skip_nonfinite_steps_skips_counts_and_then_stops(tmp_path, caches, trai
 
 
 def test_resume_keeps_the_schedule_unless_asked_and_overwrite_replaces_a_run(tmp_path, caches):
-    # A finished 20-step run, resumed for more steps: its schedule is kept (the learning rate
+    # A finished 4-step run, resumed for more steps: its schedule is kept (the learning rate
     # stays at the floor) unless reschedule=true spreads it over the new steps.
-    first = mini(tmp_path / "keep", caches, "steps=20")
+    first = mini(tmp_path / "keep", caches, "steps=4")
     train(first, say=quiet)
     shutil.copytree(tmp_path / "keep", tmp_path / "reschedule")
     more = (LONG, "resume=true")
     lines: list[str] = []
-    train(mini(tmp_path / "keep", caches, *more), stop_at=24, say=lines.append)
+    train(mini(tmp_path / "keep", caches, *more), stop_at=8, say=lines.append)
     assert any(
-        "note: steps=100000, but the learning-rate schedule stays the original run's (20 steps; "
-        "after step 20 the rate stays at its floor" in line
+        "note: steps=100000, but the learning-rate schedule stays the original run's (4 steps; "
+        "after step 4 the rate stays at its floor" in line
         for line in lines
     ), lines
     lines = []
     rescheduled = mini(tmp_path / "reschedule", caches, *more, "reschedule=true")
-    train(rescheduled, stop_at=24, say=lines.append)
+    train(rescheduled, stop_at=8, say=lines.append)
     assert any(
         "reschedule=true: the learning-rate schedule now spans 100000 steps" in x for x in lines
     )
     rate = lambda out: {r["step"]: r["learning_rate"] for r in records(out) if "loss" in r}
-    later = range(21, 25)
-    over_20, over_long = make_schedule(first), make_schedule(rescheduled)
-    assert [rate(tmp_path / "keep")[s] for s in later] == [float(over_20(s - 1)) for s in later]
+    later = range(5, 9)
+    over_4, over_long = make_schedule(first), make_schedule(rescheduled)
+    assert [rate(tmp_path / "keep")[s] for s in later] == [float(over_4(s - 1)) for s in later]
     assert [rate(tmp_path / "reschedule")[s] for s in later] == [
         float(over_long(s - 1)) for s in later
     ]
-    assert float(over_20(20)) != float(over_long(20))
+    assert float(over_4(4)) != float(over_long(4))
 
     # A new run there: refused, unless overwrite=true; save_final=false writes no checkpoint.
     keep = tmp_path / "keep"
-    with pytest.raises(ValueError, match=r"already holds checkpoints \(steps \[20, 24\]\)"):
-        train(mini(keep, caches, "steps=20"), say=quiet)
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(steps \[4, 8\]\)"):
+        train(mini(keep, caches, "steps=4"), say=quiet)
     lines = []
     result = train(
-        mini(keep, caches, "steps=20", "overwrite=true", "checkpoint.save_final=false"),
+        mini(keep, caches, "steps=4", "overwrite=true", "checkpoint.save_final=false"),
         say=lines.append,
     )
-    assert result.step == 20 and step_dirs(keep) == []
-    assert any(
-        "overwrite=true: deleting the previous run's checkpoints [20, 24]" in x for x in lines
-    )
+    assert result.step == 4 and step_dirs(keep) == []
+    assert any("overwrite=true: deleting the previous run's checkpoints [4, 8]" in x for x in lines)
     assert "no final checkpoint (save_final=false)" in lines[-1]
-    assert sorted(losses(keep)) == list(range(1, 21))
+    assert sorted(losses(keep)) == list(range(1, 5))
 
 
 @pytest.mark.slow
