@@ -144,20 +144,26 @@ def group_summary(x, config: fp8_ops.FP8Config):
     return s.max(), s[nonzero].min(), int((~np.isfinite(s)).sum())
 
 
+# The fused SwiGLU (the MLP's ops) and the E8M0 group scales share a configuration with FP8
+# attention (the attention's ops): independent paths, one program.
 @pytest.mark.parametrize(
     "extra",
     [
         ["precision.mode=coat"],
-        ["precision.mode=coat", "precision.fp8_attention=true", "precision.fp8_group_scale=e8m0"],
+        [
+            "precision.mode=coat",
+            "precision.fp8_attention=true",
+            "precision.fp8_group_scale=e8m0",
+            "precision.fp8_swiglu=fused",
+        ],
         [
             "precision.mode=coat",
             "precision.fp8_attention=true",
             "precision.fp8_attention_backward=saved_output",
         ],
-        ["precision.mode=coat", "precision.fp8_swiglu=fused"],
         ["precision.mode=fp8"],
     ],
-    ids=["coat", "coat-fp8attn-e8m0", "coat-fp8attn-saved", "coat-fused-swiglu", "fp8"],
+    ids=["coat", "coat-fp8attn-e8m0-fused-swiglu", "coat-fp8attn-saved", "fp8"],
 )
 def test_the_scales_are_the_quantizers_scales_of_the_captured_activations(extra, monkeypatch):
     cfg, model_def, params = model_and_params(*extra)

@@ -29,6 +29,7 @@ from coat_jax.training.telemetry import (
 )
 from coat_jax.training.telemetry_sample import SamplePlan
 from tests.fake_devices import run_on_fake_devices
+from tests.jaxprs import pallas_calls
 from tests.placement import committed
 from tests.training.test_cli import _scalars
 from tests.training.test_train import tiny, tree_bytes
@@ -332,15 +333,14 @@ def test_apply_keeps_the_fused_kernel_and_reports_what_update_reports(every):
     apply kernel and no separate update kernel; the new parameters and state of
     ``apply_gradients`` bit for bit; the metrics of ``update`` (the same samples of the old
     state, the same new moments) wherever it computes them."""
-    from tests.optim.test_fused_apply import _pallas_calls
-
     tx, plain = interpret_coat()
     telemetry = StateTelemetry(b1=B1, b2=B2, grad_clip=CLIP, every=every)
     params, grads = problem()
     state = tx.init(params)
-    names = _pallas_calls(lambda p, s, g: telemetry.apply(tx, g, s, p), params, state, grads(0))
-    assert names and all("coat_adamw_apply" in n for n in names), names
     fused = jax.jit(lambda g, s, p: telemetry.apply(tx, g, s, p))
+    # The jaxpr of the step's own trace, which its first call reuses.
+    names = [name for name, _ in pallas_calls(fused.trace(grads(0), state, params).jaxpr.jaxpr)]
+    assert names and all("coat_adamw_apply" in n for n in names), names
     split = jax.jit(lambda g, s, p: telemetry.update(tx, g, s, p))
     computed = []
     for i in range(STEPS):
@@ -486,12 +486,14 @@ def trainer_runs(tmp_path_factory, cache_dir):
         lines = (out / "metrics.jsonl").read_text().splitlines()
         return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
 
-    train(tiny(root / "off", cache_dir, *flags, "logging.telemetry=false"))
+    # Only the split run's checkpoints are read.
+    unsaved = [*flags, "checkpoint.save_final=false"]
+    train(tiny(root / "off", cache_dir, *unsaved, "logging.telemetry=false"))
     own = program.state_telemetry
     every_step = lambda cfg, schedule: dataclasses.replace(own(cfg, schedule), every=1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(program, "state_telemetry", every_step)
-        train(tiny(root / "every", cache_dir, *flags, "logging.telemetry=true"))
+        train(tiny(root / "every", cache_dir, *unsaved, "logging.telemetry=true"))
     split = [*flags, "logging.telemetry=true", "logging.tensorboard=true"]
     train(tiny(root / "split", cache_dir, *split), stop_at=STOP)
     train(tiny(root / "split", cache_dir, *split, "resume=true"))
