@@ -25,7 +25,8 @@ Under coverage (CI's ``--cov``), the test bodies and the fixtures' set-ups liste
 around a listed fixture). The tracer slows every Python line JAX runs while it traces a program,
 and what is listed reaches no line or branch of the library that collection or traced code before
 it does not reach too, so the coverage report is the same. ``tools/coverage_overlap.py`` checks
-and rewrites the list from a run with per-test contexts.
+and rewrites the list from a run with per-test contexts. The tracer also stops while JAX lowers
+and compiles a program, which runs none of the library's lines.
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ import atexit
 import functools
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 UNTRACED_BODIES = Path(__file__).resolve().parent / "tests" / "untraced_bodies.txt"
+# Set for tools/coverage_overlap.py's contexts run: everything runs traced, and each fixture's
+# set-up gets a coverage context of its own, so the tool can tell a fixture's arcs from those of
+# the test that first requested it.
+CONTEXTS_RUN = "COAT_JAX_COVERAGE_CONTEXTS"
 
 CPU_TEST_XLA_FLAGS = (
     "--xla_backend_optimization_level=0",
@@ -69,11 +75,44 @@ def _fast_compile_settings() -> None:
 _fast_compile_settings()
 
 
+def _without_tracer(fn):
+    """``fn`` with coverage's tracer stopped in the calling thread while it runs (and restarted
+    after, also on an exception)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        tracer = sys.gettrace()
+        if type(tracer).__name__ != "CTracer":  # no coverage, or already paused
+            return fn(*args, **kwargs)
+        tracer.stop()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tracer.start()
+
+    return wrapper
+
+
+def _lower_and_compile_untraced() -> None:
+    """Lowering a traced program to StableHLO and compiling it run only JAX's and XLA's code,
+    never the library's (it has no lowering rules or compile-time callbacks of its own; its
+    lines all run while JAX traces), yet under coverage the tracer slows every Python line of
+    that lowering, most of all Pallas interpret mode's, which lowers each kernel's grid to loops
+    there. So the tracer stops around those two steps; what the report counts is unchanged."""
+    # Imported here: JAX reads JAX_COMPILATION_CACHE_DIR when it is first imported, so after
+    # _fast_compile_settings.
+    from jax._src.interpreters import pxla
+
+    for owner, name in ((pxla, "lower_sharding_computation"), (pxla.MeshComputation, "compile")):
+        if hasattr(owner, name):
+            setattr(owner, name, _without_tracer(getattr(owner, name)))
+
+
+if os.environ.get(CONTEXTS_RUN) != "1":
+    _lower_and_compile_untraced()
+
+
 FIXTURE = "fixture "
-# Set for tools/coverage_overlap.py's contexts run: everything runs traced, and each fixture's
-# set-up gets a coverage context of its own, so the tool can tell a fixture's arcs from those of
-# the test that first requested it.
-CONTEXTS_RUN = "COAT_JAX_COVERAGE_CONTEXTS"
 
 
 def _listed() -> list[str]:
