@@ -124,9 +124,8 @@ def _fixed_sign_grads(key, shape, dtype, steps):
 
 
 CASES = [
-    # shape, expansion, mu_format, nu_format, grad dtype
-    ((3, 256), True, "e4m3", "e4m3", jnp.float32),
-    ((3, 256), False, "e4m3", "e5m2", jnp.bfloat16),
+    # shape, expansion, mu_format, nu_format, grad dtype. A whole-group shape of 6 rows (one
+    # partial block) is (2, 3, 128), both ways; (33, 128) is the same launch over several blocks.
     ((4, 512), True, "e4m3", "e5m2", jnp.bfloat16),  # 16 groups: full blocks, no masks
     ((5, 300), True, "e4m3", "e5m2", jnp.bfloat16),
     ((5, 300), False, "e4m3", "e4m3", jnp.float32),
@@ -138,11 +137,10 @@ CASES = [
 ]
 
 
-LAUNCH_VARIANTS = [
-    ca.KernelConfig(flat_stats=False),
-    ca.KernelConfig(block_rows=4, tiles=4),
-    ca.KernelConfig(block_rows=2, tiles=2, flat_stats=True, num_stages=2),
-]
+# Launch settings that must not change the arithmetic (flat_stats defaults to on).
+COLUMN_STATS = ca.KernelConfig(flat_stats=False)
+TILE_LOOP = ca.KernelConfig(block_rows=4, tiles=4)
+SMALL_TILES = ca.KernelConfig(block_rows=2, tiles=2, flat_stats=True, num_stages=2)
 
 
 def test_centre_reciprocal_scale_covers_every_centre():
@@ -383,15 +381,27 @@ class CoatAdamContract:
                 _assert_stats_match(got, want, f"step {t} {name}")
 
     @pytest.mark.parametrize(
-        "shape,expansion",
-        # 74 groups: tile loops with a ragged last program (4 x 4 rows: 74 = 4 * 16 + 10); 32
-        # groups: whole programs only; 300 columns: masked short groups, one row per program.
-        [((37, 256), True), ((8, 512), True), ((5, 300), True), ((37, 256), False)],
+        "shape,expansion,variants",
+        # 74 groups, every variant: tile loops with a ragged last program that skips a tile
+        # (4 x 4 rows: 74 = 4 * 16 + 10). 32 groups: whole programs only, the tile loop's static
+        # bound. 300 columns: masked short groups, one row per program, with column statistics
+        # and with a last program that runs 1 of its 2 tiles. No expansion: column statistics
+        # and the ragged tile loop. Each variant is a program of its own per shape, so a shape
+        # takes only the variants whose launch on it no other case runs.
+        [
+            ((37, 256), True, (COLUMN_STATS, TILE_LOOP, SMALL_TILES)),
+            ((8, 512), True, (TILE_LOOP,)),
+            ((5, 300), True, (COLUMN_STATS, SMALL_TILES)),
+            ((37, 256), False, (COLUMN_STATS, TILE_LOOP)),
+        ],
+        ids=["ragged-tiles", "whole-programs", "short-groups", "no-expansion"],
     )
-    def test_flat_statistics_and_tile_loops_equal_the_default_launch(self, shape, expansion):
+    def test_flat_statistics_and_tile_loops_equal_the_default_launch(
+        self, shape, expansion, variants
+    ):
         """``flat_stats`` (default on) and ``tiles`` reorganise the launch, not the arithmetic: each
-        of :data:`LAUNCH_VARIANTS` gives the default launch's outputs bit for bit (interpret mode;
-        on a GPU the compiler may schedule the fast-math instructions differently, so there the
+        of ``variants`` gives the default launch's outputs bit for bit (interpret mode; on a GPU
+        the compiler may schedule the fast-math instructions differently, so there the
         reference's bounds apply), in the update path and the fused apply. The default launch and
         the reference run once per shape; every variant is held against them."""
         mode = self.backend
@@ -413,7 +423,7 @@ class CoatAdamContract:
         apply_args = (p, grads[0], mu, nu, jnp.int32(4))
         apply_want = _apply_fn(mode, None, kw, exact)(*apply_args)
         p_ref = ca.coat_adamw_apply_reference(p, grads[0], mu, nu, count=jnp.int32(4), **kw)[0]
-        for config in LAUNCH_VARIANTS:
+        for config in variants:
             variant = _step_fn(mode, spec, config, exact)
             for t, (args, want, (u_ref, mu_ref, nu_ref)) in enumerate(steps, start=1):
                 got = variant(*args)
@@ -607,8 +617,7 @@ class CoatAdamContract:
         [
             ((24, 256), True, None),  # 48 groups per element: 3 programs of 16
             ((256,), False, None),  # 2 groups per element: one program of 2
-            ((2, 8, 384), True, ca.KernelConfig(block_rows=4, tiles=2)),  # 48 groups, tile loops
-            # 96 groups per element: 6 programs of 4 tiles of 4
+            # 96 groups per element: 6 programs of 4 tiles of 4 (tile loops)
             ((2, 16, 384), True, ca.KernelConfig(block_rows=4, tiles=4)),
         ],
     )

@@ -28,14 +28,19 @@ from tests.kernels.fp8_checks import (
 
 
 def _cases(shapes):
-    """(shape, dtype, scale format): every shape with both dtypes and both scale formats, and
-    every dtype with both scale formats over the shapes. The three are independent options of
-    the kernels, so the full product would compile twice the programs for no other path."""
-    dtypes = (jnp.bfloat16, jnp.float32)
+    """(shape, dtype, scale format): every shape, and every dtype with both scale formats, the
+    shapes taken in turn (two shapes: each with both dtypes and both scale formats). The three
+    are independent options of the kernels, so a fuller product would compile more programs
+    for no other path."""
+    formats = quant.SCALE_FORMATS
+    pairs = [
+        (dtype, formats[(i + j) % len(formats)])
+        for j, dtype in enumerate((jnp.bfloat16, jnp.float32))
+        for i in range(len(formats))
+    ]
     return [
-        (shape, dtype, quant.SCALE_FORMATS[(i + j) % len(quant.SCALE_FORMATS)])
-        for i, shape in enumerate(shapes)
-        for j, dtype in enumerate(dtypes)
+        (shapes[k % len(shapes)], *pairs[k % len(pairs)])
+        for k in range(max(len(shapes), len(pairs)))
     ]
 
 
