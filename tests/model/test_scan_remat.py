@@ -3,7 +3,6 @@ checkpoints and conversions that work in both layer layouts."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -29,11 +28,12 @@ CFG = llama.LlamaConfig(
 PRECISIONS = ("bf16", "fp8", "coat")
 
 
-def _pair(precision, dtype=jnp.float32, remat="none", fp8_config=None):
+def _pair(precision, dtype=jnp.float32, remat="none", config=CFG):
     """An unrolled model and a scanned one holding the same weights."""
-    kw = dict(precision=precision, dtype=dtype, remat=remat, fp8_config=fp8_config)
-    unrolled = llama.Llama(CFG, rngs=nnx.Rngs(0), **kw)
-    scanned = llama.Llama(CFG, rngs=nnx.Rngs(1), scan_layers=True, **kw)
+    unrolled = llama.Llama(config, precision=precision, dtype=dtype, rngs=nnx.Rngs(0), remat=remat)
+    scanned = llama.Llama(
+        config, precision=precision, dtype=dtype, rngs=nnx.Rngs(1), scan_layers=True, remat=remat
+    )
     graphdef, state = nnx.split(scanned)
     nnx.replace_by_pure_dict(state, llama.stack_layers(nnx.to_pure_dict(nnx.split(unrolled)[1])))
     return unrolled, nnx.merge(graphdef, state)
@@ -56,20 +56,12 @@ def _loss_and_grads(model, tokens):
     return value, nnx.to_pure_dict(grads), logits
 
 
-@functools.cache
-def _float32_run(precision, scan, remat="none", weight_residual="master"):
-    """``_loss_and_grads`` of ``_pair``'s float32 model of these settings on ``_tokens()``;
-    each setting compiles once for all the tests that compare it."""
-    unrolled, scanned = _pair(
-        precision, remat=remat, fp8_config=FP8Config(weight_residual=weight_residual)
-    )
-    return _loss_and_grads(scanned if scan else unrolled, _tokens())
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_scan_and_unrolled_give_the_same_logits_and_gradients(precision):
-    lu, gu, logits_u = _float32_run(precision, scan=False)
-    ls, gs, logits_s = _float32_run(precision, scan=True)
+    unrolled, scanned = _pair(precision)
+    tokens = _tokens()
+    lu, gu, logits_u = _loss_and_grads(unrolled, tokens)
+    ls, gs, logits_s = _loss_and_grads(scanned, tokens)
     np.testing.assert_allclose(logits_s, logits_u, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ls, lu, rtol=1e-6)
     gs = llama.unstack_layers(gs)
@@ -81,35 +73,27 @@ def test_scan_and_unrolled_give_the_same_logits_and_gradients(precision):
         assert err < 1e-4, (jax.tree_util.keystr(path), err)
 
 
-# The loss and gradients under every remat policy stay those of the first policy. Under the
-# policies in ``weight_residual_policies`` the other FP8 weight-residual options also give
-# logits and gradients bit-identical to the "master" option's (every option at the op level is
-# in tests/fp8/test_fp8_ops.py; "attention" treats the weight codes as "full" does, recomputed
-# in backward).
 @pytest.mark.parametrize(
-    "precision,scan,policies,weight_residual_policies",
+    "precision,scan,policies",
     [
-        ("coat", True, tuple(llama.REMAT_POLICIES), ("none", "full", "activations")),
-        ("bf16", True, ("none", "activations", "full"), ()),
-        ("coat", False, ("none", "activations"), ("activations",)),
+        ("coat", True, tuple(llama.REMAT_POLICIES)),
+        ("bf16", True, ("none", "activations", "full")),
+        ("coat", False, ("none", "activations")),
     ],
 )
-def test_remat_policies_do_not_change_the_gradient(
-    precision, scan, policies, weight_residual_policies
-):
+def test_remat_policies_do_not_change_the_gradient(precision, scan, policies):
+    tokens = _tokens()
     ref = None
     for remat in policies:
-        loss, grads, logits = _float32_run(precision, scan, remat)
-        if remat in weight_residual_policies:
-            master = jax.tree.leaves((loss, grads, logits))
-            assert len(master) > 3
-            for option in WEIGHT_RESIDUALS[1:]:
-                other = jax.tree.leaves(_float32_run(precision, scan, remat, option))
-                for a, b in zip(master, other, strict=True):
-                    assert a.dtype == b.dtype
-                    np.testing.assert_array_equal(
-                        np.asarray(a, np.float32), np.asarray(b, np.float32)
-                    )
+        model = llama.Llama(
+            CFG,
+            precision=precision,
+            dtype=jnp.float32,
+            rngs=nnx.Rngs(0),
+            scan_layers=scan,
+            remat=remat,
+        )
+        loss, grads, _ = _loss_and_grads(model, tokens)
         if ref is None:
             ref = (loss, grads)
             continue
@@ -187,11 +171,13 @@ def test_fp8_attention_keeps_no_bf16_activation_and_the_same_forward():
     assert not _bf16_activations(res), [(r.shape, r.dtype) for r in _bf16_activations(res)]
     # The three COAT linears' and non-linears' FP8 tensors plus FP8 q, k and v.
     assert len([r for r in res if jnp.dtype(r.dtype) == jnp.float8_e4m3fn]) == 12
+    tokens = _tokens()
+    plain = llama.Llama(CFG, precision="coat", dtype=jnp.float32, rngs=nnx.Rngs(0))
     fp8 = llama.Llama(
         CFG, precision="coat", dtype=jnp.float32, rngs=nnx.Rngs(0), fp8_attention=True
     )
-    _, g_plain, logits_plain = _float32_run("coat", scan=False)
-    _, g_fp8, logits_fp8 = _loss_and_grads(fp8, _tokens())
+    _, g_plain, logits_plain = _loss_and_grads(plain, tokens)
+    _, g_fp8, logits_fp8 = _loss_and_grads(fp8, tokens)
     np.testing.assert_array_equal(logits_fp8, logits_plain)
     a = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_plain)])
     b = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_fp8)])
@@ -287,6 +273,32 @@ def test_init_takes_the_key_as_an_argument_and_lowers_without_weight_constants()
 def _with_weight_residual(option, precision="coat", **kw):
     fp8_config = FP8Config(weight_residual=option)
     return llama.Llama(CFG, precision=precision, rngs=nnx.Rngs(0), fp8_config=fp8_config, **kw)
+
+
+# Every policy at the op level is in tests/fp8/test_fp8_ops.py; "attention" treats the weight codes
+# as "full" does (recomputed in backward).
+@pytest.mark.parametrize(
+    "scan,remat", [(True, "none"), (True, "full"), (True, "activations"), (False, "activations")]
+)
+def test_fp8_weight_residual_gives_bit_identical_logits_and_gradients(scan, remat):
+    tokens = _tokens()
+    out = {}
+    for option in WEIGHT_RESIDUALS:
+        model = _with_weight_residual(option, scan_layers=scan, remat=remat)
+        graphdef, state = nnx.split(model)
+
+        def loss(state, graphdef=graphdef):
+            logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)
+            return jnp.mean(nll), logits
+
+        out[option] = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+    master = jax.tree.leaves(out["master"])
+    assert len(master) > 3
+    for option in WEIGHT_RESIDUALS[1:]:
+        for a, b in zip(master, jax.tree.leaves(out[option]), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def _weight_codes_kept(option, remat, *, scan=True):
