@@ -645,14 +645,14 @@ def test_train_on_8_devices_equals_one_device_with_the_kernels(tmp_path):
                 f"output_dir={tmp_path / name}",
                 f"data.cache_dir={tmp_path / 'tokens'}",
             )
-            results[name] = train(cfg, stop_at=2, say=lambda line: None)
+            results[name] = train(cfg, stop_at=4, say=lambda line: None)
     finally:
         jax.config.update("jax_cpu_enable_async_dispatch", True)
     losses = {}
     for name in results:
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         losses[name] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
-    assert len(losses["one"]) == len(losses["eight"]) == 2
+    assert len(losses["one"]) == len(losses["eight"]) == 4
     worst = max(abs(a - b) / b for a, b in zip(losses["eight"], losses["one"], strict=True))
     p1, p8 = (
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(results[n].params))])
@@ -663,7 +663,7 @@ def test_train_on_8_devices_equals_one_device_with_the_kernels(tmp_path):
         f"kernels, 8 vs 1 device: worst relative loss difference {worst:.2e}, parameters {rel:.2e}"
     )
     # tests/training/test_train.py::test_eight_devices_match_one's tolerances (8 devices add partial sums
-    # in another order; Adam turns that into parameter steps of up to ~lr). Measured after 2
-    # steps: losses 8.6e-8 apart (relative), the parameter vector 1.4e-8.
+    # in another order; Adam turns that into parameter steps of up to ~lr). Four steps: past the
+    # first warm-up steps, whose updates are too small to show a difference.
     assert worst < 1e-4
     assert rel < 5e-3
