@@ -2,6 +2,7 @@
 and the plain optimizers, and through optax's and the trainer's compositions."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -410,12 +411,15 @@ def test_structure_dtypes_eval_shape_and_jit(name):
 
 
 def test_inject_hyperparams_inside_and_outside():
-    direct, _ = _run(coat_jax.fp8_state(optax.adamw(1e-2, b1=0.8, weight_decay=0.05)))
+    # A schedule as the learning rate: directly, injected inside the wrapper and outside it.
+    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    direct, _ = _run(coat_jax.fp8_state(optax.adamw(sched, b1=0.8, weight_decay=0.05)))
     inside, state = _run(
         coat_jax.fp8_state(
-            optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, b1=0.8, weight_decay=0.05)
+            optax.inject_hyperparams(optax.adamw)(learning_rate=sched, b1=0.8, weight_decay=0.05)
         )
     )
+    # The state keeps the values the last update used: the schedule at count 2, its peak.
     assert float(state.inner_state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
     assert quantized_paths(state)
 
@@ -423,16 +427,14 @@ def test_inject_hyperparams_inside_and_outside():
         return coat_jax.fp8_state(optax.adamw(learning_rate, b1=b1, weight_decay=weight_decay))
 
     outside, state = _run(
-        optax.inject_hyperparams(fp8_adamw)(learning_rate=1e-2, b1=0.8, weight_decay=0.05)
+        optax.inject_hyperparams(fp8_adamw)(learning_rate=sched, b1=0.8, weight_decay=0.05)
     )
     assert quantized_paths(state)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(float(sched(2)))
     # Injected hyper-parameters are float32 arrays instead of Python floats: rounding differs.
     for tree in (inside, outside):
         for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(tree), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
-    _, st = _run(optax.inject_hyperparams(fp8_adamw)(learning_rate=sched, b1=0.9, weight_decay=0.0))
-    assert float(st.hyperparams["learning_rate"]) == pytest.approx(float(sched(2)))
 
 
 def test_multisteps_accumulates():
@@ -482,6 +484,13 @@ def test_masked_composition_both_ways():
         np.testing.assert_array_equal(a, b)
 
 
+@functools.cache
+def _edge_case_txs():
+    """The edge cases' optimizers and their jitted updates: the cases share the compiled steps."""
+    txs = [coat_jax.fp8_state(INNERS[name]()) for name in ("adamw", "lion")]
+    return [(tx, jax.jit(tx.update)) for tx in txs]
+
+
 @pytest.mark.parametrize(
     "grad_fn",
     [
@@ -495,12 +504,11 @@ def test_masked_composition_both_ways():
 )
 def test_edge_case_gradients_keep_state_finite(grad_fn):
     params = {"w": jnp.ones((4, 256)), "v": jnp.ones((300,))}
-    for make in (INNERS["adamw"], INNERS["lion"]):
-        tx = coat_jax.fp8_state(make())
+    for tx, update in _edge_case_txs():
         state = tx.init(params)
         for _ in range(3):
             g = jax.tree.map(lambda p: grad_fn(p.shape).astype(jnp.float32), params)
-            u, state = jax.jit(tx.update)(g, state, params)
+            u, state = update(g, state, params)
             for leaf in _arrays(state) + jax.tree.leaves(u):
                 assert bool(jnp.all(jnp.isfinite(leaf.astype(jnp.float32))))
 
