@@ -253,18 +253,24 @@ def test_quantized_and_kept_leaves_of_each_optimizer():
             ".inner_states['muon'].inner_state[0].mu['big']",
         ],
     }
+    # The states' layout only: jax.eval_shape (test_structure_dtypes_eval_shape_and_jit checks
+    # that it is the concrete states' layout).
     for name, make in INNERS.items():
-        state = coat_jax.fp8_state(make()).init(params)
+        state = jax.eval_shape(coat_jax.fp8_state(make()).init, params)
         got = quantized_paths(state)
         assert sorted(got) == sorted(f".inner_state{p}" for p in expected[name]), (name, got)
         kept = full_precision_paths(state)
         # The scalar parameter's state is never quantized, and no floating leaf is dropped.
         assert any("['s']" in p for p in kept), name
         n_float = sum(
-            1 for x in jax.tree.leaves(make().init(params)) if jnp.issubdtype(x.dtype, jnp.floating)
+            1
+            for x in jax.tree.leaves(jax.eval_shape(make().init, params))
+            if jnp.issubdtype(x.dtype, jnp.floating)
         )
         assert len(got) + len(kept) == n_float, name
-    kept = full_precision_paths(coat_jax.fp8_state(optax.adafactor(1e-2)).init(params))
+    kept = full_precision_paths(
+        jax.eval_shape(coat_jax.fp8_state(optax.adafactor(1e-2)).init, params)
+    )
     assert {".inner_state[0].v_row['big']", ".inner_state[0].v_col['big']"} <= set(kept)
 
 
