@@ -106,7 +106,7 @@ def _trajectory(tx, params, grads):
     step = jax.jit(
         lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
     )
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
     for g in grads:
         params, state = step(params, state, g)
     return params, state
@@ -213,11 +213,12 @@ def test_one_step_codes_match_float64_spec(name, field, role, expansion):
     inner = INNERS[name]()
     tx = coat_jax.fp8_state(inner, formats=formats, expansion=expansion)
     rng = np.random.default_rng(1)
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
+    update, dequantized = jax.jit(tx.update), jax.jit(dequantized_state)
     for _ in range(4):
         g = {"w": jnp.asarray(rng.standard_normal((8, 384)) * np.exp(rng.uniform(-8, 0, (8, 384))))}
-        prev = dequantized_state(state)
-        _, state = tx.update(g, state, params)
+        prev = dequantized(state)
+        _, state = update(g, state, params)
     # The float state the inner optimizer makes from the dequantized previous one, in float64
     # through the SPEC codec: what the wrapper must store.
     _, expected_inner = inner.update(g, prev, params)
@@ -364,7 +365,7 @@ def test_tracks_float32_optimizer_on_regression(name):
 
     def fit(tx):
         params = {"w": jnp.zeros((64, 128)), "b": jnp.zeros((128,))}
-        state = tx.init(params)
+        state = jax.jit(tx.init)(params)
 
         @jax.jit
         def step(params, state, i):

@@ -127,7 +127,7 @@ def test_trajectory_matches_float64_spec(shape, view, kw):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    p, state = jnp.asarray(p0), tx.init(jnp.asarray(p0))
+    p, state = jnp.asarray(p0), jax.jit(tx.init)(jnp.asarray(p0))
     p_ref = p0.astype(np.float64)
     for g in grads:
         p, state = step(p, state, jnp.asarray(g))
@@ -149,11 +149,12 @@ def test_one_step_codes_and_stats_match_spec():
     shape = (16, 512)
     p = jnp.zeros(shape)
     tx = coat_jax.scale_by_coat_adam(implementation="xla")
-    state = tx.init(p)
+    state = jax.jit(tx.init)(p)
+    update, moments = jax.jit(tx.update), jax.jit(coat_jax.dequantized_moments)
     for _ in range(5):
         g = rng.standard_normal(shape) * np.exp(rng.uniform(-8, 0, shape))
-        prev_mu, _ = coat_jax.dequantized_moments(state)
-        _, state = tx.update(jnp.asarray(g, jnp.float32), state)
+        prev_mu, _ = moments(state)
+        _, state = update(jnp.asarray(g, jnp.float32), state)
     # Re-do the last step in float64 from the dequantized previous state.
     m = 0.9 * np.asarray(prev_mu, np.float64) + 0.1 * g.astype(np.float32)
     codes, stats = ref.quantize(m, gs=128, fmt="e4m3", expand_min=16, expansion=True)
@@ -178,7 +179,7 @@ def test_first_step_equals_optax_adamw_up_to_quantization():
 
 
 def _fit(tx, loss_fn, params, data_fn, steps):
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
 
     @jax.jit
     def step(params, state, i):
