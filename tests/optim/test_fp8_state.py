@@ -295,7 +295,7 @@ def test_statistics_shapes_dtypes_and_formats():
         expansion={"signed": True, "nonnegative": False},
         group_size=64,
     )
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
     adam = state.inner_state[0]
     for k, p in params.items():
         assert adam.mu[k].dtype == jnp.float8_e4m3fn and adam.mu[k].shape == p.shape
@@ -307,7 +307,8 @@ def test_statistics_shapes_dtypes_and_formats():
         assert isinstance(state.expand[0].nu[k], optax.MaskedNode)
     assert adam.count.dtype == jnp.int32
     # The all-zero initial state reads back as exact zeros.
-    for x in jax.tree.leaves(dequantized_state(state, group_size=64)[0].mu):
+    dequantized = jax.jit(functools.partial(dequantized_state, group_size=64))
+    for x in jax.tree.leaves(dequantized(state)[0].mu):
         assert not np.any(np.asarray(x))
 
 

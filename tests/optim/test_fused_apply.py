@@ -357,7 +357,7 @@ def test_apply_at_steps_one_element_as_apply_gradients_would(implementation):
     are untouched, bit for bit; three steps on different elements in turn."""
     tx = _stacked_tx(implementation)
     params = _stacked(0)
-    state = jax.vmap(tx.init)(params)
+    state = jax.jit(jax.vmap(tx.init))(params)
     at = jax.jit(lambda g, s, p, i: optim.apply_gradients_at(tx, g, s, p, i))
     alone = jax.jit(lambda g, s, p: optim.apply_gradients(tx, g, s, p))
     for t, index in enumerate((1, 0, 1)):
@@ -390,7 +390,7 @@ def test_apply_at_reads_and_writes_the_kernels_stacks_in_place():
     write-back (what would copy a layer's state per layer in optimizer_in_backward)."""
     tx = _stacked_tx("pallas")
     params = _stacked(0)
-    state = jax.vmap(tx.init)(params)
+    state = jax.jit(jax.vmap(tx.init))(params)
     grads = _one(params, 0)
     from jax._src.interpreters import partial_eval as pe
 
