@@ -2,6 +2,7 @@
 and the plain optimizers, and through optax's and the trainer's compositions."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -105,7 +106,7 @@ def _trajectory(tx, params, grads):
     step = jax.jit(
         lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
     )
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
     for g in grads:
         params, state = step(params, state, g)
     return params, state
@@ -212,11 +213,12 @@ def test_one_step_codes_match_float64_spec(name, field, role, expansion):
     inner = INNERS[name]()
     tx = coat_jax.fp8_state(inner, formats=formats, expansion=expansion)
     rng = np.random.default_rng(1)
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
+    update, dequantized = jax.jit(tx.update), jax.jit(dequantized_state)
     for _ in range(4):
         g = {"w": jnp.asarray(rng.standard_normal((8, 384)) * np.exp(rng.uniform(-8, 0, (8, 384))))}
-        prev = dequantized_state(state)
-        _, state = tx.update(g, state, params)
+        prev = dequantized(state)
+        _, state = update(g, state, params)
     # The float state the inner optimizer makes from the dequantized previous one, in float64
     # through the SPEC codec: what the wrapper must store.
     _, expected_inner = inner.update(g, prev, params)
@@ -252,18 +254,24 @@ def test_quantized_and_kept_leaves_of_each_optimizer():
             ".inner_states['muon'].inner_state[0].mu['big']",
         ],
     }
+    # The states' layout only: jax.eval_shape (test_structure_dtypes_eval_shape_and_jit checks
+    # that it is the concrete states' layout).
     for name, make in INNERS.items():
-        state = coat_jax.fp8_state(make()).init(params)
+        state = jax.eval_shape(coat_jax.fp8_state(make()).init, params)
         got = quantized_paths(state)
         assert sorted(got) == sorted(f".inner_state{p}" for p in expected[name]), (name, got)
         kept = full_precision_paths(state)
         # The scalar parameter's state is never quantized, and no floating leaf is dropped.
         assert any("['s']" in p for p in kept), name
         n_float = sum(
-            1 for x in jax.tree.leaves(make().init(params)) if jnp.issubdtype(x.dtype, jnp.floating)
+            1
+            for x in jax.tree.leaves(jax.eval_shape(make().init, params))
+            if jnp.issubdtype(x.dtype, jnp.floating)
         )
         assert len(got) + len(kept) == n_float, name
-    kept = full_precision_paths(coat_jax.fp8_state(optax.adafactor(1e-2)).init(params))
+    kept = full_precision_paths(
+        jax.eval_shape(coat_jax.fp8_state(optax.adafactor(1e-2)).init, params)
+    )
     assert {".inner_state[0].v_row['big']", ".inner_state[0].v_col['big']"} <= set(kept)
 
 
@@ -287,7 +295,7 @@ def test_statistics_shapes_dtypes_and_formats():
         expansion={"signed": True, "nonnegative": False},
         group_size=64,
     )
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
     adam = state.inner_state[0]
     for k, p in params.items():
         assert adam.mu[k].dtype == jnp.float8_e4m3fn and adam.mu[k].shape == p.shape
@@ -299,7 +307,8 @@ def test_statistics_shapes_dtypes_and_formats():
         assert isinstance(state.expand[0].nu[k], optax.MaskedNode)
     assert adam.count.dtype == jnp.int32
     # The all-zero initial state reads back as exact zeros.
-    for x in jax.tree.leaves(dequantized_state(state, group_size=64)[0].mu):
+    dequantized = jax.jit(functools.partial(dequantized_state, group_size=64))
+    for x in jax.tree.leaves(dequantized(state)[0].mu):
         assert not np.any(np.asarray(x))
 
 
@@ -357,7 +366,7 @@ def test_tracks_float32_optimizer_on_regression(name):
 
     def fit(tx):
         params = {"w": jnp.zeros((64, 128)), "b": jnp.zeros((128,))}
-        state = tx.init(params)
+        state = jax.jit(tx.init)(params)
 
         @jax.jit
         def step(params, state, i):
@@ -410,12 +419,15 @@ def test_structure_dtypes_eval_shape_and_jit(name):
 
 
 def test_inject_hyperparams_inside_and_outside():
-    direct, _ = _run(coat_jax.fp8_state(optax.adamw(1e-2, b1=0.8, weight_decay=0.05)))
+    # A schedule as the learning rate: directly, injected inside the wrapper and outside it.
+    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    direct, _ = _run(coat_jax.fp8_state(optax.adamw(sched, b1=0.8, weight_decay=0.05)))
     inside, state = _run(
         coat_jax.fp8_state(
-            optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, b1=0.8, weight_decay=0.05)
+            optax.inject_hyperparams(optax.adamw)(learning_rate=sched, b1=0.8, weight_decay=0.05)
         )
     )
+    # The state keeps the values the last update used: the schedule at count 2, its peak.
     assert float(state.inner_state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
     assert quantized_paths(state)
 
@@ -423,16 +435,14 @@ def test_inject_hyperparams_inside_and_outside():
         return coat_jax.fp8_state(optax.adamw(learning_rate, b1=b1, weight_decay=weight_decay))
 
     outside, state = _run(
-        optax.inject_hyperparams(fp8_adamw)(learning_rate=1e-2, b1=0.8, weight_decay=0.05)
+        optax.inject_hyperparams(fp8_adamw)(learning_rate=sched, b1=0.8, weight_decay=0.05)
     )
     assert quantized_paths(state)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(float(sched(2)))
     # Injected hyper-parameters are float32 arrays instead of Python floats: rounding differs.
     for tree in (inside, outside):
         for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(tree), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
-    _, st = _run(optax.inject_hyperparams(fp8_adamw)(learning_rate=sched, b1=0.9, weight_decay=0.0))
-    assert float(st.hyperparams["learning_rate"]) == pytest.approx(float(sched(2)))
 
 
 def test_multisteps_accumulates():
@@ -482,6 +492,13 @@ def test_masked_composition_both_ways():
         np.testing.assert_array_equal(a, b)
 
 
+@functools.cache
+def _edge_case_txs():
+    """The edge cases' optimizers and their jitted updates: the cases share the compiled steps."""
+    txs = [coat_jax.fp8_state(INNERS[name]()) for name in ("adamw", "lion")]
+    return [(tx, jax.jit(tx.update)) for tx in txs]
+
+
 @pytest.mark.parametrize(
     "grad_fn",
     [
@@ -495,12 +512,11 @@ def test_masked_composition_both_ways():
 )
 def test_edge_case_gradients_keep_state_finite(grad_fn):
     params = {"w": jnp.ones((4, 256)), "v": jnp.ones((300,))}
-    for make in (INNERS["adamw"], INNERS["lion"]):
-        tx = coat_jax.fp8_state(make())
+    for tx, update in _edge_case_txs():
         state = tx.init(params)
         for _ in range(3):
             g = jax.tree.map(lambda p: grad_fn(p.shape).astype(jnp.float32), params)
-            u, state = jax.jit(tx.update)(g, state, params)
+            u, state = update(g, state, params)
             for leaf in _arrays(state) + jax.tree.leaves(u):
                 assert bool(jnp.all(jnp.isfinite(leaf.astype(jnp.float32))))
 

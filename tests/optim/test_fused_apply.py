@@ -7,8 +7,6 @@ the trainer; a transformation without a fused apply must take the optax way.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,45 +197,69 @@ def _clip_test_coat(implementation):
     return coat_jax.coat_adamw(3e-2, weight_decay=0.1, **(kw or dict(implementation="xla")))
 
 
-@functools.cache
-def _unclipped_params(implementation):
-    """The clip test's run without a clip, one for both of its ``max_norm``."""
-    return jax.tree.leaves(_run(_clip_test_coat(implementation), fused=True)[0])
+def _run_clipped(chain, fused, max_norm):
+    """:func:`_run` of ``chain``'s optimizer for ``max_norm``, an operand of the step: one
+    compiled step serves every ``max_norm``."""
+    make_tx, steps = chain
+    params, state = committed((_params(), make_tx(max_norm).init(_params())))
+    for t in range(3):
+        params, state = steps[fused](params, state, _grads(t), jnp.float32(max_norm))
+    return params, state
+
+
+def _clip_chain(clip, implementation):
+    """``max_norm -> chain(clip(max_norm), coat_adamw)`` and its jitted steps, the fused
+    apply's (True) and the optax way's (False)."""
+
+    def make_tx(max_norm):
+        return optim.chain(clip(max_norm), _clip_test_coat(implementation))
+
+    def fused_step(p, s, g, max_norm):
+        return optim.apply_gradients(make_tx(max_norm), g, s, p)
+
+    def optax_step(p, s, g, max_norm):
+        updates, s = make_tx(max_norm).update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return make_tx, {True: jax.jit(fused_step), False: jax.jit(optax_step)}
 
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
-@pytest.mark.parametrize("max_norm", [1.0, 1e3])
-def test_clip_folded_into_the_kernel_equals_optax_clip(implementation, max_norm):
+def test_clip_folded_into_the_kernel_equals_optax_clip(implementation):
     # coat_jax.optim.clip_by_global_norm hands the fused apply a gradient scale instead of
     # writing clipped gradients: the same step as optax's clip, to float32 rounding (and bit
-    # for bit when the clip does not trigger: the scale is then exactly 1).
-    coat = functools.partial(_clip_test_coat, implementation)
-    folded = optim.chain(optim.clip_by_global_norm(max_norm), coat())
-    plain = optim.chain(optax.clip_by_global_norm(max_norm), coat())
-    p_folded, s_folded = _run(folded, fused=True)
-    p_plain, s_plain = _run(plain, fused=False)
-    # The folded clip's own update clips by the same factor the kernel applies: the same state.
-    p_update, s_update = _run(folded, fused=False)
-    for a, b in zip(jax.tree.leaves(s_folded), jax.tree.leaves(s_update), strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    for a, b in zip(jax.tree.leaves(p_folded), jax.tree.leaves(p_update), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+    # for bit when the clip does not trigger: the scale is then exactly 1). Both max_norm run
+    # through the same compiled steps (max_norm is their operand).
+    folded = _clip_chain(optim.clip_by_global_norm, implementation)
+    plain = _clip_chain(optax.clip_by_global_norm, implementation)
+    unclipped = jax.tree.leaves(_run(_clip_test_coat(implementation), fused=True)[0])
     norm = float(optax.tree.norm(_grads(0)))
-    assert (norm > max_norm) == (max_norm == 1.0), norm  # the clip triggers in one case only
-    assert jax.tree.structure(s_folded) == jax.tree.structure(s_plain)
-    if max_norm > norm:
-        for a, b in zip(jax.tree.leaves(s_folded), jax.tree.leaves(s_plain), strict=True):
+    for max_norm in (1.0, 1e3):
+        p_folded, s_folded = _run_clipped(folded, True, max_norm)
+        p_plain, s_plain = _run_clipped(plain, False, max_norm)
+        # The folded clip's own update clips by the same factor the kernel applies: the same
+        # state.
+        p_update, s_update = _run_clipped(folded, False, max_norm)
+        for a, b in zip(jax.tree.leaves(s_folded), jax.tree.leaves(s_update), strict=True):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    for a, b in zip(_dequantized_state(s_folded), _dequantized_state(s_plain), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
-    for a, b in zip(jax.tree.leaves(p_folded), jax.tree.leaves(p_plain), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
-    # The clip moved the step: without it the parameters differ by far more than the tolerance.
-    gap = max(
-        float(jnp.max(jnp.abs(a - b)))
-        for a, b in zip(_unclipped_params(implementation), jax.tree.leaves(p_plain), strict=True)
-    )
-    assert (gap > 1e-4) == (max_norm == 1.0), gap
+        for a, b in zip(jax.tree.leaves(p_folded), jax.tree.leaves(p_update), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+        assert (norm > max_norm) == (max_norm == 1.0), norm  # the clip triggers in one case only
+        assert jax.tree.structure(s_folded) == jax.tree.structure(s_plain)
+        if max_norm > norm:
+            for a, b in zip(jax.tree.leaves(s_folded), jax.tree.leaves(s_plain), strict=True):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        for a, b in zip(_dequantized_state(s_folded), _dequantized_state(s_plain), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+        for a, b in zip(jax.tree.leaves(p_folded), jax.tree.leaves(p_plain), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+        # The clip moved the step: without it the parameters differ by far more than the
+        # tolerance.
+        gap = max(
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(unclipped, jax.tree.leaves(p_plain), strict=True)
+        )
+        assert (gap > 1e-4) == (max_norm == 1.0), gap
 
 
 def test_folded_clip_writes_no_clipped_gradient():
@@ -335,7 +357,7 @@ def test_apply_at_steps_one_element_as_apply_gradients_would(implementation):
     are untouched, bit for bit; three steps on different elements in turn."""
     tx = _stacked_tx(implementation)
     params = _stacked(0)
-    state = jax.vmap(tx.init)(params)
+    state = jax.jit(jax.vmap(tx.init))(params)
     at = jax.jit(lambda g, s, p, i: optim.apply_gradients_at(tx, g, s, p, i))
     alone = jax.jit(lambda g, s, p: optim.apply_gradients(tx, g, s, p))
     for t, index in enumerate((1, 0, 1)):
@@ -368,7 +390,7 @@ def test_apply_at_reads_and_writes_the_kernels_stacks_in_place():
     write-back (what would copy a layer's state per layer in optimizer_in_backward)."""
     tx = _stacked_tx("pallas")
     params = _stacked(0)
-    state = jax.vmap(tx.init)(params)
+    state = jax.jit(jax.vmap(tx.init))(params)
     grads = _one(params, 0)
     from jax._src.interpreters import partial_eval as pe
 

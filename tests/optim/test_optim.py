@@ -1,5 +1,6 @@
 """coat_adamw / scale_by_coat_adam: numerics against the float64 SPEC rendering, and composition."""
 
+import functools
 import os
 
 import jax
@@ -126,7 +127,7 @@ def test_trajectory_matches_float64_spec(shape, view, kw):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    p, state = jnp.asarray(p0), tx.init(jnp.asarray(p0))
+    p, state = jnp.asarray(p0), jax.jit(tx.init)(jnp.asarray(p0))
     p_ref = p0.astype(np.float64)
     for g in grads:
         p, state = step(p, state, jnp.asarray(g))
@@ -148,11 +149,12 @@ def test_one_step_codes_and_stats_match_spec():
     shape = (16, 512)
     p = jnp.zeros(shape)
     tx = coat_jax.scale_by_coat_adam(implementation="xla")
-    state = tx.init(p)
+    state = jax.jit(tx.init)(p)
+    update, moments = jax.jit(tx.update), jax.jit(coat_jax.dequantized_moments)
     for _ in range(5):
         g = rng.standard_normal(shape) * np.exp(rng.uniform(-8, 0, shape))
-        prev_mu, _ = coat_jax.dequantized_moments(state)
-        _, state = tx.update(jnp.asarray(g, jnp.float32), state)
+        prev_mu, _ = moments(state)
+        _, state = update(jnp.asarray(g, jnp.float32), state)
     # Re-do the last step in float64 from the dequantized previous state.
     m = 0.9 * np.asarray(prev_mu, np.float64) + 0.1 * g.astype(np.float32)
     codes, stats = ref.quantize(m, gs=128, fmt="e4m3", expand_min=16, expansion=True)
@@ -177,7 +179,7 @@ def test_first_step_equals_optax_adamw_up_to_quantization():
 
 
 def _fit(tx, loss_fn, params, data_fn, steps):
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
 
     @jax.jit
     def step(params, state, i):
@@ -288,21 +290,20 @@ def test_init_on_shape_dtype_struct():
 
 
 def test_inject_hyperparams_and_schedule():
-    direct, _ = _run(coat_jax.coat_adamw(1e-2, b1=0.8, weight_decay=0.05))
+    # A schedule as the learning rate, directly and through inject (with two numeric
+    # hyper-parameters injected beside it): the two ways give the same parameters.
+    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    direct, _ = _run(coat_jax.coat_adamw(sched, b1=0.8, b2=0.99, weight_decay=0.05))
     injected_tx = optax.inject_hyperparams(coat_jax.coat_adamw)(
-        learning_rate=1e-2, b1=0.8, weight_decay=0.05
+        learning_rate=sched, b1=0.8, b2=0.99, weight_decay=0.05
     )
     injected, state = _run(injected_tx)
     # Injected hyper-parameters are float32 arrays instead of Python floats: rounding differs.
     for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(injected), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # The state keeps the values the last update used: the schedule at count 2, its peak.
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(float(sched(2)))
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
-    # A schedule as the learning rate, and a scheduled hyper-parameter through inject.
-    sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
-    _run(coat_jax.coat_adamw(sched))
-    _, st = _run(optax.inject_hyperparams(coat_jax.coat_adamw)(learning_rate=sched, b2=0.99))
-    # The state keeps the values the last update used: the schedule at count 2.
-    assert float(st.hyperparams["learning_rate"]) == pytest.approx(float(sched(2)))
     # group_size is structural: passing it through inject needs static_args.
     _run(
         optax.inject_hyperparams(coat_jax.coat_adamw, static_args=("group_size",))(
@@ -348,6 +349,13 @@ def test_apply_if_finite_skips_bad_steps_and_state_stays_finite():
     assert int(state.notfinite_count) == 3
 
 
+@functools.cache
+def _edge_case_tx():
+    """The edge cases' optimizer and its jitted update: the cases share one compiled step."""
+    tx = coat_jax.coat_adamw(1e-3)
+    return tx, jax.jit(tx.update)
+
+
 @pytest.mark.parametrize(
     "grad_fn",
     [
@@ -362,11 +370,11 @@ def test_apply_if_finite_skips_bad_steps_and_state_stays_finite():
 )
 def test_edge_case_gradients_keep_state_finite(grad_fn):
     params = {"w": jnp.ones((4, 256)), "v": jnp.ones((300,))}
-    tx = coat_jax.coat_adamw(1e-3)
+    tx, update = _edge_case_tx()
     state = tx.init(params)
     for _ in range(3):
         g = jax.tree.map(lambda p: grad_fn(p.shape).astype(jnp.float32), params)
-        u, state = jax.jit(tx.update)(g, state, params)
+        u, state = update(g, state, params)
         for leaf in _all_leaves(state) + jax.tree.leaves(u):
             assert bool(jnp.all(jnp.isfinite(leaf.astype(jnp.float32))))
 

@@ -142,8 +142,9 @@ def test_a_stack_steps_as_its_slices_bit_for_bit(name):
             alone.update(_element(g, i), s, _element(p, i)) for i, s in enumerate(states)
         ]
     )
-    state = whole.init(params)
-    slices = [alone.init(_element(params, i)) for i in range(2)]
+    state = jax.jit(whole.init)(params)
+    alone_init = jax.jit(alone.init)
+    slices = [alone_init(_element(params, i)) for i in range(2)]
     for g in grads:
         updates, state = whole_step(g, state, params)
         stepped = slices_step(g, slices, params)
@@ -178,8 +179,8 @@ def test_pallas_interpret_matches_the_reference_on_narrow_shapes():
             lambda g, s, p, tx=alone: coat_jax.optim.apply_gradients_at(tx, g, s, p, 1)
         )
         runs[impl] = (
-            step(grads[0], whole.init(params), params),
-            step_at(_element(grads[1], 1), jax.vmap(alone.init)(params), params),
+            step(grads[0], jax.jit(whole.init)(params), params),
+            step_at(_element(grads[1], 1), jax.jit(jax.vmap(alone.init))(params), params),
         )
     for (p_x, s_x), (p_p, s_p) in zip(runs["xla"], runs["pallas"], strict=True):
         assert jax.tree.map(lambda x: (x.dtype, x.shape), s_p) == jax.tree.map(
