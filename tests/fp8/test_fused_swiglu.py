@@ -26,9 +26,13 @@ from coat_jax.training.program import build_program
 from tests.tiny_runs import tiny_run
 
 B = 2
-# The trainer's tiny model (hidden 64, intermediate 160, 2 layers): the intermediate size is
+# The trainer's tiny model (hidden 64, intermediate 160, 1 layer): the intermediate size is
 # apart from every other axis, so the intermediate-size residuals are found by their last axis.
-RUN = [*tiny_run(intermediate=160, batch_size=B), "kernels=xla", "xla.compilation_cache_dir=null"]
+RUN = [
+    *tiny_run(intermediate=160, layers=1, batch_size=B),
+    "kernels=xla",
+    "xla.compilation_cache_dir=null",
+]
 
 
 @functools.cache
