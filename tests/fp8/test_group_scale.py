@@ -153,7 +153,7 @@ def test_gradients_stay_close_to_float32_scales():
 
     def grads(ops):
         loss = lambda p, x: jnp.sum(_mlp(ops)(p, x).astype(jnp.float32) ** 2)
-        return jax.grad(loss, argnums=(0, 1))(params, x)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)  # one program, not one per op
 
     exact = grads(ops_for("bf16"))
     flat = lambda g: np.concatenate(
