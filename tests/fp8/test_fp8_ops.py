@@ -739,7 +739,10 @@ def test_weight_residual_fp8_is_bit_identical_to_master(base, policy):
             c = jax.random.normal(jax.random.key(7), y.shape, jnp.float32)
             return jnp.sum(y.astype(jnp.float32) * c)
 
-        outs[option] = (jax.jit(block)(ws, x), jax.jit(jax.grad(loss, (0, 1)))(ws, x))
+        def output_and_grads(ws, x, block=block, loss=loss):  # one program per option
+            return block(ws, x), jax.grad(loss, (0, 1))(ws, x)
+
+        outs[option] = jax.jit(output_and_grads)(ws, x)
     _assert_identical(outs["master"], outs["fp8"])
     y, (gw, gx) = outs["fp8"]
     assert [g.dtype for g in gw] == [w.dtype for w in ws] and gx.dtype == x.dtype

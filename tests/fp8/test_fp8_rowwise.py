@@ -186,6 +186,9 @@ def test_config_checks():
 
 
 def test_trainer_runs_three_steps(tmp_path):
+    # One run for three trainer options that compose: row scaling, the fused SwiGLU
+    # (tests/fp8/test_fused_swiglu.py::test_trainer_option) and E8M0 group scales
+    # (tests/fp8/test_group_scale.py::test_trainer_option) each reach the model and train.
     overrides = [
         *tiny_run(layers=1),
         "steps=3",
@@ -193,6 +196,8 @@ def test_trainer_runs_three_steps(tmp_path):
         "xla.compilation_cache_dir=null",
         "precision.fp8_weight_residual=master",
         "precision.fp8_linear_scaling=row",
+        "precision.fp8_swiglu=fused",
+        "precision.fp8_group_scale=e8m0",
         f"output_dir={tmp_path}/r",
         # No final checkpoint: the run's steps and validation are what this test reads.
         "checkpoint.save_final=false",
@@ -201,6 +206,7 @@ def test_trainer_runs_three_steps(tmp_path):
     program = build_program(cfg, cfg.model)
     model = program.model_def.bind(program.abstract_params)
     assert model.fp8_config.linear_scaling == "row"  # the key reaches the model's FP8 ops
+    assert model.fp8_config.swiglu == "fused" and model.fp8_config.group_scale == "e8m0"
     result = train(cfg, say=lambda msg: None)
     assert result.step == 3 and np.isfinite(result.val_loss)
 
