@@ -35,7 +35,6 @@ import atexit
 import functools
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -75,24 +74,6 @@ def _fast_compile_settings() -> None:
 _fast_compile_settings()
 
 
-def _without_tracer(fn):
-    """``fn`` with coverage's tracer stopped in the calling thread while it runs (and restarted
-    after, also on an exception)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        tracer = sys.gettrace()
-        if type(tracer).__name__ != "CTracer":  # no coverage, or already paused
-            return fn(*args, **kwargs)
-        tracer.stop()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            tracer.start()
-
-    return wrapper
-
-
 def _lower_and_compile_untraced() -> None:
     """Lowering a traced program to StableHLO and compiling it run only JAX's and XLA's code,
     never the library's (it has no lowering rules or compile-time callbacks of its own; its
@@ -103,9 +84,11 @@ def _lower_and_compile_untraced() -> None:
     # _fast_compile_settings.
     from jax._src.interpreters import pxla
 
+    from tests.untraced import without_tracer
+
     for owner, name in ((pxla, "lower_sharding_computation"), (pxla.MeshComputation, "compile")):
         if hasattr(owner, name):
-            setattr(owner, name, _without_tracer(getattr(owner, name)))
+            setattr(owner, name, without_tracer(getattr(owner, name)))
 
 
 if os.environ.get(CONTEXTS_RUN) != "1":

@@ -6,6 +6,8 @@ import copy
 
 import numpy as np
 
+from tests.untraced import without_tracer
+
 LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -36,6 +38,7 @@ CASES = {
 }
 
 
+@without_tracer  # transformers' code only: no line of the library runs here
 def hf_llama(
     case: str, *, seed: int = 0, std: float = 0.08, num_hidden_layers: int = 2, **overrides
 ):
@@ -93,6 +96,7 @@ def token_ids(vocab: int, batch: int, seq: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (batch, seq), dtype=np.int32)
 
 
+@without_tracer
 def torch_logits(model, ids: np.ndarray) -> np.ndarray:
     import torch
 

@@ -26,6 +26,7 @@ from coat_jax.llama import (
     rope_inv_freq,
     stack_layers,
 )
+from tests.untraced import untraced
 
 TINY = LlamaConfig(
     vocab_size=97,
@@ -169,7 +170,8 @@ def test_smollm2_greedy_matches_transformers_generate(smollm_tokenizer, smollm_h
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(smollm_hf)
+    with untraced():  # transformers' code only
+        tok = AutoTokenizer.from_pretrained(smollm_hf)
     ours_tok = smollm_tokenizer
     prompts = [tok(p)["input_ids"] for p in SMOL_PROMPTS]
     assert prompts == [ours_tok(p)["input_ids"] for p in SMOL_PROMPTS]
@@ -177,18 +179,19 @@ def test_smollm2_greedy_matches_transformers_generate(smollm_tokenizer, smollm_h
     gen_cfg = json.loads((smollm_hf / "generation_config.json").read_text())
     assert gen_cfg["eos_token_id"] == ours_tok.eos_token_id
 
-    reference = LlamaForCausalLM.from_pretrained(smollm_hf, dtype=torch.float32).eval()
     want = []
-    for ids in prompts:
-        out = reference.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=SMOL_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=ours_tok.eos_token_id,
-            pad_token_id=ours_tok.eos_token_id,
-        )
-        want.append(out[0, len(ids) :].tolist())
+    with untraced():  # transformers' code only
+        reference = LlamaForCausalLM.from_pretrained(smollm_hf, dtype=torch.float32).eval()
+        for ids in prompts:
+            out = reference.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=SMOL_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=ours_tok.eos_token_id,
+                pad_token_id=ours_tok.eos_token_id,
+            )
+            want.append(out[0, len(ids) :].tolist())
     model = coat_jax.from_pretrained(smollm_hf, dtype=jnp.float32)
     got = generate_ids(model, prompts, SMOL_NEW_TOKENS, eos_token_id=ours_tok.eos_token_id)
     print("SmolLM2 greedy:", [ours_tok.decode(g) for g in got])
