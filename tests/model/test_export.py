@@ -18,6 +18,7 @@ from coat_jax.runs import CheckpointError, load_run_model, read_params, read_run
 from coat_jax.tokenizer import ByteTokenizer
 from coat_jax.training import load_config, train
 from tests.training.test_train import REPO, TINY, cache_overrides
+from tests.untraced import without_tracer
 
 TEXT = "It is a truth universally acknowledged, that a single man — «déjà vu» ✓ <|eos|>"
 
@@ -46,6 +47,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@without_tracer  # transformers' code only
 def _hf_logits(folder, ids, dtype="float32"):
     import torch
     from transformers import LlamaForCausalLM

@@ -18,6 +18,7 @@ from coat_jax.llama import Llama, LlamaConfig, rope_inv_freq
 from coat_jax.memory import residuals
 from tests.llama_reference import rel_err, token_ids, torch_logits
 from tests.model.test_gguf import write_gguf
+from tests.untraced import without_tracer
 
 SEQ = 160
 COMMON = dict(
@@ -49,6 +50,7 @@ FAMILIES = {
 }
 
 
+@without_tracer  # transformers' code only
 def hf_model(family: str, seed: int = 0, **overrides):
     """A random transformers model of ``family`` (float32, eval): weights and biases wider than
     the 0.02 init, norms away from 1, so every tensor matters for the logits."""
