@@ -26,13 +26,16 @@ around a listed fixture). The tracer slows every Python line JAX runs while it t
 and what is listed reaches no line or branch of the library that collection or traced code before
 it does not reach too, so the coverage report is the same. ``tools/coverage_overlap.py`` checks
 and rewrites the list from a run with per-test contexts. The tracer also stops while JAX lowers
-and compiles a program, which runs none of the library's lines.
+and compiles a program, and inside Orbax's checkpoint manager and Matplotlib's rendering, none of
+which runs a line of the library.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import importlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -91,8 +94,33 @@ def _lower_and_compile_untraced() -> None:
             setattr(owner, name, without_tracer(getattr(owner, name)))
 
 
+# Third-party code the trainer calls that calls none of the library's code back: Orbax's
+# checkpoint manager (it saves and restores plain pytrees of arrays) and Matplotlib's rendering
+# of the loss curve.
+THIRD_PARTY_UNTRACED = {
+    "orbax.checkpoint": (
+        "CheckpointManager",
+        ("__init__", "save", "restore", "wait_until_finished", "close"),
+    ),
+    "matplotlib.figure": ("Figure", ("savefig", "tight_layout")),
+}
+
+
+def _third_party_untraced() -> None:
+    """The tracer also stops in :data:`THIRD_PARTY_UNTRACED`'s methods (where installed)."""
+    from tests.untraced import without_tracer
+
+    for module, (cls, methods) in THIRD_PARTY_UNTRACED.items():
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            continue
+        owner = getattr(importlib.import_module(module), cls)
+        for name in methods:
+            setattr(owner, name, without_tracer(getattr(owner, name)))
+
+
 if os.environ.get(CONTEXTS_RUN) != "1":
     _lower_and_compile_untraced()
+    _third_party_untraced()
 
 
 FIXTURE = "fixture "
