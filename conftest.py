@@ -26,8 +26,8 @@ around a listed fixture). The tracer slows every Python line JAX runs while it t
 and what is listed reaches no line or branch of the library that collection or traced code before
 it does not reach too, so the coverage report is the same. ``tools/coverage_overlap.py`` checks
 and rewrites the list from a run with per-test contexts. The tracer also stops while JAX lowers
-and compiles a program, and inside Orbax's checkpoint manager and Matplotlib's rendering, none of
-which runs a line of the library.
+and compiles a program, and inside Orbax's checkpoint manager, Matplotlib's rendering and the gguf
+package's reader, none of which runs a line of the library.
 """
 
 from __future__ import annotations
@@ -94,15 +94,16 @@ def _lower_and_compile_untraced() -> None:
             setattr(owner, name, without_tracer(getattr(owner, name)))
 
 
-# Third-party code the trainer calls that calls none of the library's code back: Orbax's
-# checkpoint manager (it saves and restores plain pytrees of arrays) and Matplotlib's rendering
-# of the loss curve.
+# Third-party code the library calls that calls none of the library's code back: Orbax's
+# checkpoint manager (it saves and restores plain pytrees of arrays), Matplotlib's rendering of
+# the loss curve, and the gguf package's parsing of a file's metadata and tensor index.
 THIRD_PARTY_UNTRACED = {
     "orbax.checkpoint": (
         "CheckpointManager",
         ("__init__", "save", "restore", "wait_until_finished", "close"),
     ),
     "matplotlib.figure": ("Figure", ("savefig", "tight_layout")),
+    "gguf": ("GGUFReader", ("__init__",)),
 }
 
 
