@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -27,7 +26,6 @@ import pytest
 
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
-from tests.fake_devices import xla_flags
 from tests.jaxprs import pallas_calls
 from tests.signals import stop_with_sigterm
 from tests.tiny_runs import compilation_cache, tiny_run
@@ -272,9 +270,10 @@ def test_train_py_reports_config_errors_without_traceback(train_py):
 # ----------------------------------------------------------------------------- the real step
 
 
-# The 40-step run, evaluated every 20 steps, that test_tiny_coat_run_learns_and_writes_its_outputs
-# inspects and test_resume_is_bit_exact resumes in two pieces.
-RUN_40 = ("steps=40", "eval.every=20")
+# The 40-step run, evaluated and checkpointed every 20 steps, that
+# test_tiny_coat_run_learns_and_writes_its_outputs inspects and test_resume_is_bit_exact resumes
+# from its step-20 checkpoint.
+RUN_40 = ("steps=40", "eval.every=20", "checkpoint.every=20")
 
 
 @pytest.fixture(scope="module")
@@ -370,9 +369,11 @@ def test_fp8_codes_round_trip_orbax_bit_exactly(tmp_path):
 
 def test_resume_is_bit_exact(tmp_path, cache_dir, run_40):
     straight_out, straight = run_40
-    # Stopped at step 20, just after its evaluation there.
-    first = train(tiny(tmp_path / "split", cache_dir, *RUN_40), stop_at=20)
-    assert first.step == 20 and first.val_loss is None
+    # The straight run's folder without its step-40 checkpoint: that run stopped after step 20,
+    # just after its evaluation there (a run stopped there by stop_at:
+    # test_a_stopped_run_checkpoints_its_step_and_reports_no_final_evaluation).
+    shutil.copytree(straight_out, tmp_path / "split")
+    shutil.rmtree(tmp_path / "split" / "checkpoints" / "40")
     assert (tmp_path / "split" / "checkpoints" / "20").is_dir()
     resumed = train(tiny(tmp_path / "split", cache_dir, *RUN_40, "resume=true"))
     assert resumed.step == 40
@@ -559,15 +560,24 @@ def test_a_checkpoint_resumes_in_the_other_layer_layout(tmp_path, cache_dir):
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory, cache_dir):
-    """A run stopped after 6 steps of the long schedule: its output_dir and its result. The
-    SIGTERM test's trainer runs the same program, so it loads it from the compilation cache."""
+    """A run stopped after 6 steps of the long schedule, just after its evaluation there: its
+    output_dir and its result. The SIGTERM test's trainer runs the same program, so it loads it
+    from the compilation cache."""
     out = tmp_path_factory.mktemp("good") / "run"
-    return out, train(tiny(out, cache_dir, LONG), stop_at=6)
+    return out, train(tiny(out, cache_dir, LONG, "eval.every=6"), stop_at=6)
 
 
 @pytest.fixture(scope="module")
 def good_run(good):
     return good[0]
+
+
+def test_a_stopped_run_checkpoints_its_step_and_reports_no_final_evaluation(good):
+    out, result = good
+    assert result.step == 6 and result.val_loss is None
+    assert (out / "checkpoints" / "6").is_dir()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [6]
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, cache_dir):
@@ -757,107 +767,6 @@ def test_fsdp_spec_picks_the_largest_divisible_axis():
     assert fsdp_spec((128, 64), 4) == jax.sharding.PartitionSpec("fsdp", None)
     assert fsdp_spec((128, 258), 4) == jax.sharding.PartitionSpec()
     assert fsdp_spec((1, 128, 258), 2) == jax.sharding.PartitionSpec(None, "fsdp", None)
-
-
-EIGHT_DEVICES = textwrap.dedent(
-    """
-    import json, sys
-    import jax, jax.numpy as jnp
-    from coat_jax import coat_adamw
-    from coat_jax.training import load_config, sharding, train
-    # Fake CPU devices share a small thread pool; one program at a time keeps their
-    # collectives from waiting on each other.
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
-    args = json.loads(sys.argv[1])
-    assert len(jax.devices()) == 8, jax.devices()
-    report = {}
-    for name, mesh in (("one", ["mesh.data=1", "mesh.fsdp=1"]), ("eight", ["mesh.data=2", "mesh.fsdp=4"])):
-        cfg = load_config(args["config"], args["overrides"] + [f"output_dir={args['out']}/{name}"] + mesh)
-        r = train(cfg)
-        report[name] = {
-            "val_loss": r.val_loss,
-            "devices": sorted({d.id for x in jax.tree.leaves(r.params) for d in x.devices()}),
-            "params": {jax.tree_util.keystr(p): x.tolist() for p, x in
-                       jax.tree_util.tree_flatten_with_path(jax.device_get(r.params))[0]},
-        }
-    # COAT state placement on the same mesh, as train() lays it out.
-    mesh = sharding.make_mesh(2, 4)
-    params = {"q_proj": jnp.ones((64, 64)), "up_proj": jnp.ones((64, 128)), "lm_head": jnp.ones((64, 258))}
-    params = jax.device_put(params, sharding.param_shardings(params, mesh))
-    state = coat_adamw(1e-3).init(params)
-    state = jax.device_put(state, sharding.state_shardings(state, params, mesh))
-    flat = jax.tree_util.tree_flatten_with_path({"params": params, "opt": state})[0]
-    report["coat_specs"] = {
-        jax.tree_util.keystr(p): [str(x.dtype), list(x.shape), list(x.sharding.spec)] for p, x in flat
-    }
-    print("REPORT" + json.dumps(report))
-    """
-)
-
-
-def test_eight_devices_match_one(tmp_path, cache_dir):
-    env = dict(
-        os.environ,
-        XLA_FLAGS=xla_flags(8, "--xla_cpu_collective_call_terminate_timeout_seconds=120"),
-    )
-    # The default optimizer, coat_adamw, with FP8 moments sharded like their parameters.
-    args = {
-        "config": str(REPO / "configs" / "default.yaml"),
-        "overrides": [
-            *TINY,
-            *cache_overrides(cache_dir),
-            "steps=6",
-            "model.num_hidden_layers=1",
-            "precision.compute_dtype=float32",
-        ],
-        "out": str(tmp_path),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", EIGHT_DEVICES, json.dumps(args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(proc.stdout.split("REPORT", 1)[1])
-    one, eight = report["one"], report["eight"]
-    assert one["devices"] == [0] and eight["devices"] == list(range(8))
-    l1, l8 = losses(tmp_path / "one"), losses(tmp_path / "eight")
-    worst = max(abs(l1[s] - l8[s]) / l1[s] for s in l1)
-    p1 = np.concatenate([np.ravel(one["params"][k]) for k in sorted(one["params"])])
-    p8 = np.concatenate([np.ravel(eight["params"][k]) for k in sorted(one["params"])])
-    rel = float(np.linalg.norm(p1 - p8) / np.linalg.norm(p1))
-    print(
-        f"8 vs 1 device: worst relative loss difference {worst:.2e}, relative parameter "
-        f"difference {rel:.2e}, largest single parameter difference {np.max(np.abs(p1 - p8)):.2e}"
-    )
-    # 8 devices sum gradients in another order. Adam turns near-zero gradient components into
-    # full-size steps (early on the update is about sign(g)), so single parameters can move by
-    # ~lr. Measured with coat_adamw after 6 float32 steps: losses 2.1e-7 apart (relative), the
-    # parameter vector 5.4e-5 (with optax.adamw 4.4e-5 and 1.3e-3). bfloat16 compute would make
-    # these larger, which is why this comparison runs in float32.
-    assert worst < 1e-4
-    assert rel < 5e-3
-    assert abs(one["val_loss"] - eight["val_loss"]) / one["val_loss"] < 1e-4
-    # FSDP placement of COAT's state: FP8 codes take their parameter's spec; per-group
-    # statistics (shape p.shape[:-1] + (groups,) where 128 divides the last axis, else grouped
-    # over the flatten, the row split moving to the flattened axis) keep it where it divides.
-    specs = report["coat_specs"]
-    assert specs["['params']['q_proj']"] == ["float32", [64, 64], ["fsdp", None]]
-    assert specs["['params']['up_proj']"] == ["float32", [64, 128], ["fsdp", None]]
-    # 16 rows of 258 values per shard would split the groups of its flatten: replicated.
-    assert specs["['params']['lm_head']"] == ["float32", [64, 258], []]
-    for field in ("mu_codes", "nu_codes"):
-        codes = {k.rsplit("[", 1)[1]: v for k, v in specs.items() if f".{field}[" in k}
-        assert codes["'q_proj']"] == ["float8_e4m3fn", [64, 64], ["fsdp", None]]
-        assert codes["'up_proj']"] == ["float8_e4m3fn", [64, 128], ["fsdp", None]]
-    for field in ("mu_scale", "mu_expand", "mu_center", "nu_scale"):
-        stats = {k.rsplit("[", 1)[1]: v for k, v in specs.items() if f".{field}[" in k}
-        assert stats["'q_proj']"] == ["float32", [1, 32], [None, "fsdp"]]
-        assert stats["'up_proj']"] == ["float32", [64, 1], ["fsdp", None]]
-        assert stats["'lm_head']"] == ["float32", [1, 129], [None, None]]
 
 
 # ----------------------------------------------------------------------------- init_from

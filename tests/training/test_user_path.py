@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import tomllib
 
@@ -81,17 +84,76 @@ def test_the_torch_extra_brings_what_transformers_runs_on():
     assert "torch" in _extra_only_modules()
 
 
-def _run(command, tmp_path, caches, env=None) -> str:
+def _argv(command, tmp_path, caches) -> list[str]:
+    """``command``'s argv (``python`` first) with the run folder under ``tmp_path`` and, for
+    train.py, :data:`SHORT_RUN` and the tests' caches appended."""
     command = command.replace("runs/quick", str(tmp_path / "quick"))
     argv = shlex.split(command)
     assert argv[0] == "python", command
-    argv[0] = sys.executable
     if argv[1] == "train.py":
         argv += SHORT_RUN
         argv += [f"data.cache_dir={caches}/tokens", compilation_cache(f"{caches}/jax")]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return argv
+
+
+def _run(argv, env=None) -> str:
+    proc = subprocess.run(
+        [sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, f"{argv}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+# `python FILE ARGS` or `python -m MODULE ARGS` for each command in turn, in one interpreter as
+# Python itself runs them (runpy, as __main__), so that the commands share one start of Python
+# and JAX: each command's stdout (file descriptor 1) goes to a file of its own, its exit code to
+# the report.
+RUN_EACH = textwrap.dedent(
+    """
+    import json, os, runpy, sys
+    report = []
+    for argv, stdout in json.loads(sys.argv[1]):
+        sys.stdout.flush()
+        console = os.dup(1)
+        with open(stdout, "w") as f:
+            os.dup2(f.fileno(), 1)
+            try:
+                if argv[1] == "-m":
+                    sys.argv = [argv[2], *argv[3:]]
+                    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = argv[1:]
+                    runpy.run_path(argv[1], run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code
+            finally:
+                sys.stdout.flush()
+                os.dup2(console, 1)
+                os.close(console)
+        report.append(code)
+    print("REPORT" + json.dumps(report))
+    """
+)
+
+
+def _run_each(argvs, tmp_path, env) -> list[str]:
+    """The commands ``argvs`` run by :data:`RUN_EACH` in one child process: their stdouts."""
+    outs = [str(tmp_path / f"command_{i}.stdout") for i in range(len(argvs))]
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_EACH, json.dumps(list(zip(argvs, outs, strict=True)))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    stdouts = [Path(o).read_text() if Path(o).exists() else "" for o in outs]
+    assert "REPORT" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:], stdouts)
+    codes = json.loads(proc.stdout.split("REPORT", 1)[1])
+    for argv, code, stdout in zip(argvs, codes, stdouts, strict=True):
+        assert code in (0, None), f"{argv}: exit {code}\n{stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return stdouts
 
 
 def test_quickstart_commands_run(tmp_path, trainer_caches):
@@ -107,10 +169,10 @@ def test_quickstart_commands_run(tmp_path, trainer_caches):
     )
     path = os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH")) if p)
     base_only = dict(os.environ, PYTHONPATH=path)
-    train_out, export_out, ours_out = (
-        _run(c, tmp_path, trainer_caches, base_only) for c in quickstart_commands()[1:]
+    train_out, export_out, ours_out = _run_each(
+        [_argv(c, tmp_path, trainer_caches) for c in quickstart_commands()[1:]], tmp_path, base_only
     )
-    (hf_out,) = (_run(c, tmp_path, trainer_caches) for c in quickstart_blocks()[1][1:])
+    (hf_out,) = (_run(_argv(c, tmp_path, trainer_caches)) for c in quickstart_blocks()[1][1:])
     assert "done: step 4" in train_out
     assert "run-to-hf: wrote checkpoint step 4" in export_out and "byte tokenizer" in export_out
     for sampled in (hf_out, ours_out):
