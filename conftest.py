@@ -77,51 +77,46 @@ def _fast_compile_settings() -> None:
 _fast_compile_settings()
 
 
-def _lower_and_compile_untraced() -> None:
-    """Lowering a traced program to StableHLO and compiling it run only JAX's and XLA's code,
-    never the library's (it has no lowering rules or compile-time callbacks of its own; its
-    lines all run while JAX traces), yet under coverage the tracer slows every Python line of
-    that lowering, most of all Pallas interpret mode's, which lowers each kernel's grid to loops
-    there. So the tracer stops around those two steps; what the report counts is unchanged."""
-    # Imported here: JAX reads JAX_COMPILATION_CACHE_DIR when it is first imported, so after
-    # _fast_compile_settings.
-    from jax._src.interpreters import pxla
-
-    from tests.untraced import without_tracer
-
-    for owner, name in ((pxla, "lower_sharding_computation"), (pxla.MeshComputation, "compile")):
-        if hasattr(owner, name):
-            setattr(owner, name, without_tracer(getattr(owner, name)))
-
-
-# Third-party code the library calls that calls none of the library's code back: Orbax's
-# checkpoint manager (it saves and restores plain pytrees of arrays), Matplotlib's rendering of
-# the loss curve, and the gguf package's parsing of a file's metadata and tensor index.
-THIRD_PARTY_UNTRACED = {
-    "orbax.checkpoint": (
+# Code the library calls that runs none of the library's lines and calls none back, as
+# (module, class or "" for the module itself, functions). Under coverage the tracer slows every
+# Python line of it, so the tracer stops there; what the report counts is unchanged.
+# - JAX lowering a traced program to StableHLO and compiling it: the library has no lowering
+#   rules or compile-time callbacks (its lines all run while JAX traces); Pallas interpret mode
+#   lowers each kernel's grid to loops there.
+# - Orbax's checkpoint manager (it saves and restores plain pytrees of arrays), Matplotlib's
+#   rendering of the loss curve, and the gguf package's parsing of a file's metadata.
+UNTRACED_CALLS = (
+    ("jax._src.interpreters.pxla", "", ("lower_sharding_computation",)),
+    ("jax._src.interpreters.pxla", "MeshComputation", ("compile",)),
+    (
+        "orbax.checkpoint",
         "CheckpointManager",
         ("__init__", "save", "restore", "wait_until_finished", "close"),
     ),
-    "matplotlib.figure": ("Figure", ("savefig", "tight_layout")),
-    "gguf": ("GGUFReader", ("__init__",)),
-}
+    ("matplotlib.figure", "Figure", ("savefig", "tight_layout")),
+    ("gguf", "GGUFReader", ("__init__",)),
+)
 
 
-def _third_party_untraced() -> None:
-    """The tracer also stops in :data:`THIRD_PARTY_UNTRACED`'s methods (where installed)."""
+def _untraced_calls() -> None:
+    """Wraps :data:`UNTRACED_CALLS` (those installed) in :func:`tests.untraced.without_tracer`.
+
+    Called after :func:`_fast_compile_settings`: JAX reads JAX_COMPILATION_CACHE_DIR when it is
+    first imported."""
     from tests.untraced import without_tracer
 
-    for module, (cls, methods) in THIRD_PARTY_UNTRACED.items():
+    for module, cls, names in UNTRACED_CALLS:
         if importlib.util.find_spec(module.split(".")[0]) is None:
             continue
-        owner = getattr(importlib.import_module(module), cls)
-        for name in methods:
-            setattr(owner, name, without_tracer(getattr(owner, name)))
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        for name in names:
+            if hasattr(owner, name):
+                setattr(owner, name, without_tracer(getattr(owner, name)))
 
 
 if os.environ.get(CONTEXTS_RUN) != "1":
-    _lower_and_compile_untraced()
-    _third_party_untraced()
+    _untraced_calls()
 
 
 FIXTURE = "fixture "
