@@ -108,13 +108,15 @@ class _DropOrbaxTracebacks(logging.Filter):
 
 
 class _DropAbandonedReadCallbacks:
-    """A ``sys.unraisablehook`` that drops the "Event loop is closed" errors of TensorStore reads
-    Orbax abandoned.
+    """A ``sys.unraisablehook`` that drops the errors of the TensorStore reads Orbax abandoned.
 
     When one array of a checkpoint cannot be read, Orbax's restore raises at once and closes its
-    event loop while the other reads are still in flight; each of them then reports, from a
-    TensorStore thread, that it could not call back into the closed loop. The error that
-    matters is the one the restore raised; every other unraisable error goes to ``previous``.
+    event loop while the other reads are still in flight. Each of them then reports one of two
+    errors nobody can catch: from a TensorStore thread, that it could not call back into the
+    closed loop; or, when the garbage collector closes its unfinished read coroutine, the
+    exception Orbax raises for any error inside a read (the collector's ``GeneratorExit``
+    included). The error that matters is the one the restore raised; every other unraisable
+    error goes to ``previous``.
     """
 
     def __init__(self, previous):
@@ -122,7 +124,7 @@ class _DropAbandonedReadCallbacks:
 
     def __call__(self, unraisable) -> None:
         error = unraisable.exc_value
-        abandoned = (
+        closed_loop = (
             isinstance(error, RuntimeError)
             and str(error) == "Event loop is closed"
             and any(
@@ -130,8 +132,18 @@ class _DropAbandonedReadCallbacks:
                 for frame in traceback.extract_tb(unraisable.exc_traceback)
             )
         )
-        if not abandoned:
+        if not (closed_loop or _closed_orbax_read(unraisable.object, error)):
             self.previous(unraisable)
+
+
+def _closed_orbax_read(obj, error) -> bool:
+    """Whether ``error`` is what an Orbax coroutine raised as the garbage collector closed it."""
+    code = getattr(obj, "cr_code", None)
+    return (
+        code is not None
+        and f"{os.sep}orbax{os.sep}" in code.co_filename
+        and isinstance(getattr(error, "__context__", None), GeneratorExit)
+    )
 
 
 def quiet_orbax() -> None:

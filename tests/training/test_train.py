@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import re
@@ -17,13 +18,16 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from orbax.checkpoint._src.serialization import serialization
 
+from coat_jax.runs import _DropAbandonedReadCallbacks
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
 from tests.jaxprs import pallas_calls
@@ -659,10 +663,12 @@ DAMAGES = [
 
 # train.py's main on each damaged run in turn, in one child process: each run's stderr (file
 # descriptor 2, Orbax's and TensorStore's C++ logging included) goes to a file of its own, its
-# exit code to the report; what the process writes to stderr besides goes to the test.
+# exit code to the report; what the process writes to stderr besides goes to the test. A
+# collection at the end closes every read coroutine Orbax abandoned, so whatever they would
+# report shows here, not only when the garbage collector happens to run.
 RESUME_EACH = textwrap.dedent(
     """
-    import json, os, sys
+    import gc, json, os, sys
     from tests.tiny_runs import load_train_script
     train_script = load_train_script()
     report = {}
@@ -677,6 +683,7 @@ RESUME_EACH = textwrap.dedent(
                 sys.stderr.flush()
                 os.dup2(console, 2)
                 os.close(console)
+    gc.collect()
     print("REPORT" + json.dumps(report))
     """
 )
@@ -723,6 +730,43 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(corrupt_runs, damage):
     assert error[0].startswith("error: CheckpointError: there is no earlier checkpoint: start a")
     assert re.search(r"checkpoint step 6 .* is unreadable", error[1])
     assert dir_digest(run) == before
+
+
+def test_only_the_reads_orbax_abandoned_are_kept_off_stderr():
+    # The child above (with its collection) shows the real case end to end; this one shows
+    # that the hook keeps every other unraisable error.
+    def closed_by_the_collector(message):
+        try:
+            try:
+                raise GeneratorExit
+            except BaseException as e:
+                raise Exception(message) from e
+        except Exception as e:
+            return e
+
+    async def not_orbax():
+        pass
+
+    reported = []
+    hook = _DropAbandonedReadCallbacks(reported.append)
+    read = serialization._read_array_index_and_device_put
+    # A coroutine's body runs only when awaited: any arguments make one.
+    orbax_read = read(**dict.fromkeys(inspect.signature(read).parameters))
+    ours = not_orbax()
+    try:
+        kept = [
+            SimpleNamespace(object=ours, exc_value=closed_by_the_collector("x")),
+            SimpleNamespace(object=orbax_read, exc_value=ValueError("a real read error")),
+            SimpleNamespace(object=None, exc_value=None),
+        ]
+        dropped = SimpleNamespace(object=orbax_read, exc_value=closed_by_the_collector("read"))
+        for unraisable in [*kept, dropped]:
+            unraisable.exc_traceback = getattr(unraisable.exc_value, "__traceback__", None)
+            hook(unraisable)
+    finally:
+        orbax_read.close()
+        ours.close()
+    assert reported == kept
 
 
 def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path, cache_dir):
