@@ -15,7 +15,10 @@ compiled again by another test, another pytest-xdist worker or a ``train.py`` ch
   in two programs that fuse it differently, so the few tests that compare two such programs bit
   for bit compile those with the default emitters (``tests/kernels/contract.py``'s
   ``CPU_DEFAULT_EMITTERS``, passed as ``jax.jit``'s ``compiler_options``).
-- None of the flags is set where a GPU is present, so GPU tests compile as users' programs do;
+- Each lowered operation's location is the line that made it, not the full Python traceback
+  JAX records by default (``JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS``): locations are
+  metadata only, and building them from full tracebacks costs lowering time.
+- None of the XLA flags is set where a GPU is present, so GPU tests compile as users' programs do;
   a flag already in ``XLA_FLAGS`` keeps its value.
 
 ``COAT_JAX_TEST_COMPILE=default`` turns all of them off.
@@ -65,6 +68,7 @@ def _fast_compile_settings() -> None:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")
     has_gpu = shutil.which("nvidia-smi") is not None
     flags = os.environ.get("XLA_FLAGS", "").split()
     if not has_gpu:
@@ -99,10 +103,7 @@ UNTRACED_CALLS = (
 
 
 def _untraced_calls() -> None:
-    """Wraps :data:`UNTRACED_CALLS` (those installed) in :func:`tests.untraced.without_tracer`.
-
-    Called after :func:`_fast_compile_settings`: JAX reads JAX_COMPILATION_CACHE_DIR when it is
-    first imported."""
+    """Wraps :data:`UNTRACED_CALLS` (those installed) in :func:`tests.untraced.without_tracer`."""
     from tests.untraced import without_tracer
 
     for module, cls, names in UNTRACED_CALLS:
@@ -115,8 +116,16 @@ def _untraced_calls() -> None:
                 setattr(owner, name, without_tracer(getattr(owner, name)))
 
 
-if os.environ.get(CONTEXTS_RUN) != "1":
-    _untraced_calls()
+def pytest_configure(config):
+    # Only a process that runs tests under coverage: not pytest-xdist's controller, which runs
+    # none, nor a run without --cov (each wrapped module would be imported for nothing).
+    # Called after _fast_compile_settings: JAX reads JAX_COMPILATION_CACHE_DIR when first imported.
+    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(
+        config, "workerinput"
+    )
+    covered = bool(getattr(config.option, "cov_source", None))
+    if covered and not controller and os.environ.get(CONTEXTS_RUN) != "1":
+        _untraced_calls()
 
 
 FIXTURE = "fixture "
