@@ -4,8 +4,8 @@ Most of the suite's time on a CPU is XLA compiling small programs, many of them 
 compiled again by another test, another pytest-xdist worker or a ``train.py`` child process.
 
 - One persistent JAX compilation cache for the whole test run (a temporary folder shared by the
-  workers and every child process through the environment), so a program compiled once is loaded
-  from disk after that. Tests that pass ``compilation_cache_dir=...`` to the trainer still get
+  workers and every child process through the environment), so a program that was slow to
+  compile once is loaded from disk after that. Tests that pass ``compilation_cache_dir=...`` to the trainer still get
   their own.
 - XLA:CPU's backend at optimization level 0: the programs are tiny, so LLVM's optimizations cost
   far more time than they save. The arithmetic is the same at every level (XLA:CPU keeps fast
@@ -66,7 +66,9 @@ def _fast_compile_settings() -> None:
         folder = tempfile.mkdtemp(prefix="coat-jax-test-xla-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
-        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        # A program that compiles faster than this costs more to serialize and compress
+        # for the cache than to compile again in another process.
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
         os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")
     has_gpu = shutil.which("nvidia-smi") is not None
@@ -117,6 +119,14 @@ def _untraced_calls() -> None:
 
 
 def pytest_configure(config):
+    # pytest collects garbage five times at the end of a session to surface the last unraisable
+    # exceptions; once does that too, and each pass over a worker's heap of JAX objects is slow.
+    try:
+        from _pytest.unraisableexception import gc_collect_iterations_key
+    except ImportError:
+        pass
+    else:
+        config.stash[gc_collect_iterations_key] = 1
     # Only a process that runs tests under coverage: not pytest-xdist's controller, which runs
     # none, nor a run without --cov (each wrapped module would be imported for nothing).
     # Called after _fast_compile_settings: JAX reads JAX_COMPILATION_CACHE_DIR when first imported.

@@ -544,6 +544,9 @@ def worker(args) -> None:
     from coat_jax.training.optimizers import kernel_options
     from coat_jax.training.program import build_program, compiler_options
 
+    # The kernel categories read OPTIMIZER_SCOPE from each instruction's op_name, which JAX
+    # writes with the name scope only when locations carry full tracebacks (its default).
+    jax.config.update("jax_include_full_tracebacks_in_locations", True)
     mode, seq = args.worker, args.seq
     weight_residual = args.weight_residual if mode != "bf16" else "master"
     fp8_kernels = args.fp8_kernels if mode != "bf16" else "default"
