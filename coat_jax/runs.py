@@ -107,16 +107,32 @@ class _DropOrbaxTracebacks(logging.Filter):
         return not (record.exc_info and "orbax" in record.pathname)
 
 
+class _DropAbandonedOrbaxTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for the reads Orbax abandoned.
+
+    When one array of a checkpoint cannot be read, Orbax's restore raises at once; a read that
+    failed too, but that nobody awaited, is logged by asyncio when the garbage collector takes
+    its task. The error that matters is the one the restore raised.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _from_orbax(record.exc_info[2]))
+
+
+def _from_orbax(tb) -> bool:
+    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in traceback.extract_tb(tb))
+
+
 class _DropAbandonedReadCallbacks:
     """A ``sys.unraisablehook`` that drops the errors of the TensorStore reads Orbax abandoned.
 
     When one array of a checkpoint cannot be read, Orbax's restore raises at once and closes its
-    event loop while the other reads are still in flight. Each of them then reports one of two
-    errors nobody can catch: from a TensorStore thread, that it could not call back into the
-    closed loop; or, when the garbage collector closes its unfinished read coroutine, the
-    exception Orbax raises for any error inside a read (the collector's ``GeneratorExit``
-    included). The error that matters is the one the restore raised; every other unraisable
-    error goes to ``previous``.
+    event loop while the other reads are still in flight. Each of them may then report an error
+    nobody can catch: from a TensorStore thread, that it could not call back into the closed
+    loop; or, when the garbage collector closes its unfinished read coroutine, the exception
+    Orbax raises for any error inside a read (the collector's ``GeneratorExit`` included). The
+    error that matters is the one the restore raised; every other unraisable error goes to
+    ``previous``.
     """
 
     def __init__(self, previous):
@@ -152,6 +168,9 @@ def quiet_orbax() -> None:
     absl.setLevel(logging.WARNING)
     if not any(isinstance(f, _DropOrbaxTracebacks) for f in absl.filters):
         absl.addFilter(_DropOrbaxTracebacks())
+    tasks = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropAbandonedOrbaxTasks) for f in tasks.filters):
+        tasks.addFilter(_DropAbandonedOrbaxTasks())
     if not isinstance(sys.unraisablehook, _DropAbandonedReadCallbacks):
         sys.unraisablehook = _DropAbandonedReadCallbacks(sys.unraisablehook)
 
