@@ -5,8 +5,8 @@ compiled again by another test, another pytest-xdist worker or a ``train.py`` ch
 
 - One persistent JAX compilation cache for the whole test run (a temporary folder shared by the
   workers and every child process through the environment), so a program that was slow to
-  compile once is loaded from disk after that. Tests that pass ``compilation_cache_dir=...`` to the trainer still get
-  their own.
+  compile once is loaded from disk after that. Tests that pass ``compilation_cache_dir=...`` to
+  the trainer still get their own.
 - XLA:CPU's backend at optimization level 0: the programs are tiny, so LLVM's optimizations cost
   far more time than they save. The arithmetic is the same at every level (XLA:CPU keeps fast
   math off), so every tolerance and bit-for-bit comparison holds.

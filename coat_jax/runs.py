@@ -96,31 +96,27 @@ def leaf_checksums(tree) -> dict[str, list[int]]:
     return by_keypath(jax.device_get(_tree_checksums(tree)))
 
 
+def _orbax_file(path: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in path
+
+
 class _DropOrbaxTracebacks(logging.Filter):
-    """Drops the tracebacks Orbax's background threads log for a failed write.
+    """Drops the tracebacks logged for Orbax's failed background work.
 
-    :meth:`Checkpointer.wait` raises the same error with the step and what to do; a traceback
-    per Orbax thread before it would bury that line.
+    - absl, from Orbax's threads, for a failed write: :meth:`Checkpointer.wait` raises the same
+      error with the step and what to do; a traceback per Orbax thread before it would bury
+      that line.
+    - asyncio's "Task exception was never retrieved", for a read Orbax abandoned: when one array
+      of a checkpoint cannot be read, Orbax's restore raises at once, and a read that failed too
+      but that nobody awaited is logged when the garbage collector takes its task. The error
+      that matters is the one the restore raised.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and "orbax" in record.pathname)
-
-
-class _DropAbandonedOrbaxTasks(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for the reads Orbax abandoned.
-
-    When one array of a checkpoint cannot be read, Orbax's restore raises at once; a read that
-    failed too, but that nobody awaited, is logged by asyncio when the garbage collector takes
-    its task. The error that matters is the one the restore raised.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and _from_orbax(record.exc_info[2]))
-
-
-def _from_orbax(tb) -> bool:
-    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in traceback.extract_tb(tb))
+        if not record.exc_info:
+            return True
+        frames = traceback.extract_tb(record.exc_info[2])
+        return not (_orbax_file(record.pathname) or any(_orbax_file(f.filename) for f in frames))
 
 
 class _DropAbandonedReadCallbacks:
@@ -157,20 +153,18 @@ def _closed_orbax_read(obj, error) -> bool:
     code = getattr(obj, "cr_code", None)
     return (
         code is not None
-        and f"{os.sep}orbax{os.sep}" in code.co_filename
+        and _orbax_file(code.co_filename)
         and isinstance(getattr(error, "__context__", None), GeneratorExit)
     )
 
 
 def quiet_orbax() -> None:
-    absl = logging.getLogger("absl")
     # Orbax logs every save at INFO through absl; that would break the progress bar's line.
-    absl.setLevel(logging.WARNING)
-    if not any(isinstance(f, _DropOrbaxTracebacks) for f in absl.filters):
-        absl.addFilter(_DropOrbaxTracebacks())
-    tasks = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DropAbandonedOrbaxTasks) for f in tasks.filters):
-        tasks.addFilter(_DropAbandonedOrbaxTasks())
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropOrbaxTracebacks) for f in logger.filters):
+            logger.addFilter(_DropOrbaxTracebacks())
     if not isinstance(sys.unraisablehook, _DropAbandonedReadCallbacks):
         sys.unraisablehook = _DropAbandonedReadCallbacks(sys.unraisablehook)
 

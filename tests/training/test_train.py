@@ -735,6 +735,13 @@ def test_corrupt_checkpoint_is_refused_and_left_alone(corrupt_runs, damage):
     assert dir_digest(run) == before
 
 
+def _orbax_read():
+    """An unstarted coroutine of Orbax's array read (its body runs only when awaited, so any
+    arguments make one)."""
+    read = serialization._read_array_index_and_device_put
+    return read(**dict.fromkeys(inspect.signature(read).parameters))
+
+
 def test_only_the_reads_orbax_abandoned_are_kept_off_stderr():
     # The child above (with its collection) shows the real case end to end; this one shows
     # that the hook keeps every other unraisable error.
@@ -752,9 +759,7 @@ def test_only_the_reads_orbax_abandoned_are_kept_off_stderr():
 
     reported = []
     hook = _DropAbandonedReadCallbacks(reported.append)
-    read = serialization._read_array_index_and_device_put
-    # A coroutine's body runs only when awaited: any arguments make one.
-    orbax_read = read(**dict.fromkeys(inspect.signature(read).parameters))
+    orbax_read = _orbax_read()
     ours = not_orbax()
     try:
         kept = [
@@ -776,7 +781,6 @@ def test_only_the_tasks_orbax_abandoned_are_kept_off_the_log(caplog):
     # asyncio logs a failed task nobody awaited when the garbage collector takes it: for a read
     # Orbax abandoned, quiet_orbax drops that record; for any other task it is kept.
     quiet_orbax()
-    read = serialization._read_array_index_and_device_put
 
     async def not_orbax():
         raise ValueError("not a read")
@@ -793,7 +797,7 @@ def test_only_the_tasks_orbax_abandoned_are_kept_off_the_log(caplog):
         gc.collect()
 
     with caplog.at_level(logging.ERROR, logger="asyncio"):
-        failed_task(read(**dict.fromkeys(inspect.signature(read).parameters)))
+        failed_task(_orbax_read())
         assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
         failed_task(not_orbax())
         assert [r for r in caplog.records if "never retrieved" in r.getMessage()]
