@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +32,7 @@ from orbax.checkpoint._src.serialization import serialization
 from coat_jax.runs import _DropAbandonedReadCallbacks, quiet_orbax
 from coat_jax.training import CheckpointError, load_config, train
 from coat_jax.training.sharding import fsdp_spec
+from tests.commands import run_each
 from tests.jaxprs import pallas_calls
 from tests.signals import stop_with_sigterm
 from tests.tiny_runs import compilation_cache, tiny_run
@@ -664,59 +664,29 @@ DAMAGES = [
     _delete_arrays,
 ]
 
-# train.py's main on each damaged run in turn, in one child process: each run's stderr (file
-# descriptor 2, Orbax's and TensorStore's C++ logging included) goes to a file of its own, its
-# exit code to the report; what the process writes to stderr besides goes to the test. A
-# collection at the end closes every read coroutine Orbax abandoned, so whatever they would
-# report shows here, not only when the garbage collector happens to run.
-RESUME_EACH = textwrap.dedent(
-    """
-    import gc, json, os, sys
-    from tests.tiny_runs import load_train_script
-    train_script = load_train_script()
-    report = {}
-    for name, (args, stderr) in json.loads(sys.argv[1]).items():
-        sys.stderr.flush()
-        console = os.dup(2)
-        with open(stderr, "w") as f:
-            os.dup2(f.fileno(), 2)
-            try:
-                report[name] = train_script.main(args)
-            finally:
-                sys.stderr.flush()
-                os.dup2(console, 2)
-                os.close(console)
-    gc.collect()
-    print("REPORT" + json.dumps(report))
-    """
-)
-
 
 @pytest.fixture(scope="module")
 def corrupt_runs(good_run, tmp_path_factory, cache_dir):
     """A copy of ``good_run`` per damage, damaged, resumed through train.py: its folder, its
     digest before the resume, the exit code and stderr, and the child's other stderr."""
     root = tmp_path_factory.mktemp("corrupt")
-    runs, cases = {}, {}
+    runs, argvs = {}, []
     for damage in DAMAGES:
         run = root / damage.__name__
         shutil.copytree(good_run, run)
         damage(run)
         runs[damage.__name__] = run, dir_digest(run)
         overrides = [*TINY, f"output_dir={run}", *cache_overrides(cache_dir), "steps=8"]
-        cases[damage.__name__] = [*overrides, "resume=true"], str(root / f"{run.name}.stderr")
-    proc = subprocess.run(
-        [sys.executable, "-c", RESUME_EACH, json.dumps(cases)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        argvs.append(["python", "train.py", *overrides, "resume=true"])
+    # train.py on each damaged run in turn, in one child process: each run's stderr (file
+    # descriptor 2, Orbax's and TensorStore's C++ logging included) to a file of its own.
+    names = [damage.__name__ for damage in DAMAGES]
+    stderrs, codes, other_stderr = run_each(
+        argvs, [root / f"{name}.stderr" for name in names], fd=2
     )
-    assert "REPORT" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    codes = json.loads(proc.stdout.split("REPORT", 1)[1])
     return {
-        name: (run, before, codes[name], Path(cases[name][1]).read_text(), proc.stderr)
-        for name, (run, before) in runs.items()
+        name: (*runs[name], code, stderr, other_stderr)
+        for name, code, stderr in zip(names, codes, stderrs, strict=True)
     }
 
 

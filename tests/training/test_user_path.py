@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import tomllib
 
+from tests.commands import run_each
 from tests.tiny_runs import compilation_cache
 from tests.training.test_train import REPO
 
@@ -104,55 +102,13 @@ def _run(argv, env=None) -> str:
     return proc.stdout
 
 
-# `python FILE ARGS` or `python -m MODULE ARGS` for each command in turn, in one interpreter as
-# Python itself runs them (runpy, as __main__), so that the commands share one start of Python
-# and JAX: each command's stdout (file descriptor 1) goes to a file of its own, its exit code to
-# the report.
-RUN_EACH = textwrap.dedent(
-    """
-    import json, os, runpy, sys
-    report = []
-    for argv, stdout in json.loads(sys.argv[1]):
-        sys.stdout.flush()
-        console = os.dup(1)
-        with open(stdout, "w") as f:
-            os.dup2(f.fileno(), 1)
-            try:
-                if argv[1] == "-m":
-                    sys.argv = [argv[2], *argv[3:]]
-                    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-                else:
-                    sys.argv = argv[1:]
-                    runpy.run_path(argv[1], run_name="__main__")
-                code = 0
-            except SystemExit as e:
-                code = e.code
-            finally:
-                sys.stdout.flush()
-                os.dup2(console, 1)
-                os.close(console)
-        report.append(code)
-    print("REPORT" + json.dumps(report))
-    """
-)
-
-
 def _run_each(argvs, tmp_path, env) -> list[str]:
-    """The commands ``argvs`` run by :data:`RUN_EACH` in one child process: their stdouts."""
-    outs = [str(tmp_path / f"command_{i}.stdout") for i in range(len(argvs))]
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN_EACH, json.dumps(list(zip(argvs, outs, strict=True)))],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    stdouts = [Path(o).read_text() if Path(o).exists() else "" for o in outs]
-    assert "REPORT" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:], stdouts)
-    codes = json.loads(proc.stdout.split("REPORT", 1)[1])
+    """The commands ``argvs`` run one after another in one child process
+    (:func:`tests.commands.run_each`): their stdouts."""
+    outs = [tmp_path / f"command_{i}.stdout" for i in range(len(argvs))]
+    stdouts, codes, stderr = run_each(argvs, outs, env=env)
     for argv, code, stdout in zip(argvs, codes, stdouts, strict=True):
-        assert code in (0, None), f"{argv}: exit {code}\n{stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        assert code in (0, None), f"{argv}: exit {code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
     return stdouts
 
 
