@@ -749,7 +749,8 @@ def test_only_the_reads_orbax_abandoned_are_kept_off_stderr():
 
 def test_only_the_tasks_orbax_abandoned_are_kept_off_the_log(caplog):
     # asyncio logs a failed task nobody awaited when the garbage collector takes it: for a read
-    # Orbax abandoned, quiet_orbax drops that record; for any other task it is kept.
+    # Orbax abandoned, quiet_orbax drops that record; any other task's, and any record without
+    # an exception, is kept.
     quiet_orbax()
 
     async def not_orbax():
@@ -771,6 +772,8 @@ def test_only_the_tasks_orbax_abandoned_are_kept_off_the_log(caplog):
         assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
         failed_task(not_orbax())
         assert [r for r in caplog.records if "never retrieved" in r.getMessage()]
+        logging.getLogger("asyncio").error("a record without an exception")
+        assert caplog.records[-1].getMessage() == "a record without an exception"
 
 
 def test_sigterm_writes_a_checkpoint_that_resumes(tmp_path, cache_dir):
