@@ -97,3 +97,20 @@ def dispatch(
             reasons.append(f"{name}: {e}")
     # Only reached if the reference itself declined, which it never does by design.
     raise NotImplementedError(f"no implementation of {op} applies: {'; '.join(reasons)}")
+
+
+def dispatch_tiled(
+    op, pallas, reference, args, settings, *, implementation, interpret, tiles, mesh
+):
+    """The result of :func:`dispatch` for an op whose Pallas kernel takes the reference's
+    arguments plus its launch: ``pallas(*args, **settings, tiles=, interpret=, mesh=)`` or
+    ``reference(*args, **settings)`` (the tiled activation ops of :mod:`pallas_kernels.fp8_act`
+    and :mod:`pallas_kernels.fp8_rowquant`)."""
+    return dispatch(
+        op,
+        implementation,
+        interpret=interpret,
+        mesh=mesh,
+        pallas=lambda: pallas(*args, **settings, tiles=tiles, interpret=interpret, mesh=mesh),
+        xla=lambda: reference(*args, **settings),
+    )[1]

@@ -298,6 +298,16 @@ def check_scale_format(scale_format: str) -> str:
     return scale_format
 
 
+def group_settings(group_size, fmt: str, scale_format: str) -> dict:
+    """Validated 1xG quantization settings, as the keyword arguments the quantizing kernels
+    and their references take."""
+    return dict(
+        fmt=fp8_format(fmt),
+        scale_format=check_scale_format(scale_format),
+        group_size=check_group_size(group_size),
+    )
+
+
 def round_scale(scale: jax.Array, scale_format: str) -> jax.Array:
     """``scale`` (positive float32) as ``scale_format`` represents it: itself for "float32",
     the smallest power of two >= it for "e8m0" (so every ``|x| / scale`` stays <= fmax).

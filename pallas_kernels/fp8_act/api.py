@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pallas_kernels import quant
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import dispatch_tiled
 from pallas_kernels.fp8_act.pallas_triton import (
     mul_bwd_pallas,
     mul_fwd_pallas,
@@ -30,9 +30,23 @@ from pallas_kernels.fp8_quant import DEFAULT_TILES
 from pallas_kernels.quant import QuantizedTensor
 from pallas_kernels.sharding import KernelMesh
 
+_KERNELS = {
+    "rmsnorm_fwd": (rmsnorm_fwd_pallas, rmsnorm_fwd_reference),
+    "rmsnorm_bwd": (rmsnorm_bwd_pallas, rmsnorm_bwd_reference),
+    "silu_fwd": (silu_fwd_pallas, silu_fwd_reference),
+    "silu_bwd": (silu_bwd_pallas, silu_bwd_reference),
+    "mul_fwd": (mul_fwd_pallas, mul_fwd_reference),
+    "mul_bwd": (mul_bwd_pallas, mul_bwd_reference),
+    "swiglu_fwd": (swiglu_fwd_pallas, swiglu_fwd_reference),
+    "swiglu_bwd": (swiglu_bwd_pallas, swiglu_bwd_reference),
+}
 
-def _run(op, implementation, interpret, mesh, pallas, xla):
-    return dispatch(op, implementation, interpret=interpret, mesh=mesh, pallas=pallas, xla=xla)[1]
+
+def _run(op, args, settings, implementation, interpret, tiles, mesh):
+    """The op's kernel or reference (:func:`~pallas_kernels.dispatch.dispatch_tiled`)."""
+    pallas, reference = _KERNELS[op]
+    kw = dict(implementation=implementation, interpret=interpret, tiles=tiles, mesh=mesh)
+    return dispatch_tiled(op, pallas, reference, args, settings, **kw)
 
 
 def rmsnorm_fwd(
@@ -49,17 +63,8 @@ def rmsnorm_fwd(
     mesh: KernelMesh | None = None,
 ):
     """Fused RMSNorm forward + 1xG quantization of ``x``: ``(y, x_q, rstd [..., 1])``."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "rmsnorm_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: rmsnorm_fwd_pallas(x, w, eps, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: rmsnorm_fwd_reference(x, w, eps, **kw),
-    )
+    settings = quant.group_settings(group_size, fmt, scale_format)
+    return _run("rmsnorm_fwd", (x, w, eps), settings, implementation, interpret, tiles, mesh)
 
 
 def rmsnorm_bwd(
@@ -75,14 +80,7 @@ def rmsnorm_bwd(
 ):
     """RMSNorm backward from the saved FP8 input ``x_q`` and ``rstd``: ``(dx, dw)``."""
     check_saved("rmsnorm_bwd", x_q)
-    return _run(
-        "rmsnorm_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: rmsnorm_bwd_pallas(dy, x_q, rstd, w, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: rmsnorm_bwd_reference(dy, x_q, rstd, w),
-    )
+    return _run("rmsnorm_bwd", (dy, x_q, rstd, w), {}, implementation, interpret, tiles, mesh)
 
 
 def silu_fwd(
@@ -97,17 +95,8 @@ def silu_fwd(
     mesh: KernelMesh | None = None,
 ):
     """Fused SiLU forward + 1xG quantization of ``x``: ``(y, x_q)``."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "silu_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: silu_fwd_pallas(x, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: silu_fwd_reference(x, **kw),
-    )
+    settings = quant.group_settings(group_size, fmt, scale_format)
+    return _run("silu_fwd", (x,), settings, implementation, interpret, tiles, mesh)
 
 
 def silu_bwd(
@@ -121,14 +110,7 @@ def silu_bwd(
 ):
     """SiLU backward from the saved FP8 input ``x_q``: ``dx``."""
     check_saved("silu_bwd", x_q)
-    return _run(
-        "silu_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: silu_bwd_pallas(dy, x_q, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: silu_bwd_reference(dy, x_q),
-    )
+    return _run("silu_bwd", (dy, x_q), {}, implementation, interpret, tiles, mesh)
 
 
 def mul_fwd(
@@ -144,17 +126,8 @@ def mul_fwd(
     mesh: KernelMesh | None = None,
 ):
     """Fused product + 1xG quantization of both inputs: ``(y, a_q, b_q)``."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "mul_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: mul_fwd_pallas(a, b, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: mul_fwd_reference(a, b, **kw),
-    )
+    settings = quant.group_settings(group_size, fmt, scale_format)
+    return _run("mul_fwd", (a, b), settings, implementation, interpret, tiles, mesh)
 
 
 def mul_bwd(
@@ -169,14 +142,7 @@ def mul_bwd(
 ):
     """Product backward from the saved FP8 inputs ``a_q``, ``b_q``: ``(da, db)``."""
     check_saved("mul_bwd", a_q, b_q)
-    return _run(
-        "mul_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: mul_bwd_pallas(dy, a_q, b_q, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: mul_bwd_reference(dy, a_q, b_q),
-    )
+    return _run("mul_bwd", (dy, a_q, b_q), {}, implementation, interpret, tiles, mesh)
 
 
 def swiglu_fwd(
@@ -193,17 +159,8 @@ def swiglu_fwd(
 ):
     """Fused ``silu(gate) * up`` + 1xG quantization of both inputs: ``(y, gate_q, up_q)`` (the
     SiLU is recomputed in backward)."""
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    kw = dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
-    return _run(
-        "swiglu_fwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: swiglu_fwd_pallas(gate, up, **kw, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: swiglu_fwd_reference(gate, up, **kw),
-    )
+    settings = quant.group_settings(group_size, fmt, scale_format)
+    return _run("swiglu_fwd", (gate, up), settings, implementation, interpret, tiles, mesh)
 
 
 def swiglu_bwd(
@@ -218,11 +175,4 @@ def swiglu_bwd(
 ):
     """SwiGLU backward from the saved FP8 gate and up: ``(d gate, d up)``."""
     check_saved("swiglu_bwd", gate_q, up_q)
-    return _run(
-        "swiglu_bwd",
-        implementation,
-        interpret,
-        mesh,
-        lambda: swiglu_bwd_pallas(dy, gate_q, up_q, tiles=tiles, interpret=interpret, mesh=mesh),
-        lambda: swiglu_bwd_reference(dy, gate_q, up_q),
-    )
+    return _run("swiglu_bwd", (dy, gate_q, up_q), {}, implementation, interpret, tiles, mesh)

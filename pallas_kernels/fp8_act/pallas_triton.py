@@ -178,6 +178,16 @@ def _row_specs(bm, g, group_size):
     )
 
 
+def _norm_tiles(x, group_size, tiles, interpret):
+    """``x`` as ``[M, D / G, G]`` tiles, the row block and the block specs of the RMSNorm kernels,
+    which hold whole rows; ``NotImplementedError`` where they cannot run."""
+    _check_supported("rmsnorm", x.shape, group_size)
+    require_gpu(interpret)
+    x3 = grouped_view(x, group_size)
+    bm = pow2_divisor(x3.shape[0], tiles.norm_block_rows)
+    return x3, bm, _row_specs(bm, x3.shape[1], group_size)
+
+
 @over_batch("br", "bbb")
 def rmsnorm_fwd_pallas(
     x,
@@ -190,12 +200,8 @@ def rmsnorm_fwd_pallas(
     tiles=DEFAULT_TILES,
     interpret=False,
 ):
-    _check_supported("rmsnorm", x.shape, group_size)
-    require_gpu(interpret)
-    x3 = grouped_view(x, group_size)
+    x3, bm, (full, scales, rows, weight) = _norm_tiles(x, group_size, tiles, interpret)
     m, g, _ = x3.shape
-    bm = pow2_divisor(m, tiles.norm_block_rows)
-    full, scales, rows, weight = _row_specs(bm, g, group_size)
     y, codes, scale, rstd = pl.pallas_call(
         functools.partial(_rmsnorm_fwd_kernel, eps=float(eps), fmt=fmt, scale_format=scale_format),
         grid=(m // bm,),
@@ -219,12 +225,8 @@ def rmsnorm_fwd_pallas(
 @over_batch("bbbr", "bs")
 def rmsnorm_bwd_pallas(dy, x_q, rstd, w, *, tiles=DEFAULT_TILES, interpret=False):
     group_size = _kernel_groups("rmsnorm_bwd", x_q)
-    _check_supported("rmsnorm", dy.shape, group_size)
-    require_gpu(interpret)
-    dy3 = grouped_view(dy, group_size)
+    dy3, bm, (full, scales, rows, weight) = _norm_tiles(dy, group_size, tiles, interpret)
     m, g, _ = dy3.shape
-    bm = pow2_divisor(m, tiles.norm_block_rows)
-    full, scales, rows, weight = _row_specs(bm, g, group_size)
     dx, dw_parts = pl.pallas_call(
         _rmsnorm_bwd_kernel,
         grid=(m // bm,),

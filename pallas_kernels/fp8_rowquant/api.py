@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pallas_kernels import quant
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import dispatch_tiled
 from pallas_kernels.fp8_quant import DEFAULT_TILES
 from pallas_kernels.fp8_rowquant.pallas_triton import (
     rmsnorm_rowwise_pallas,
@@ -15,13 +15,6 @@ from pallas_kernels.fp8_rowquant.reference import (
     swiglu_rowwise_reference,
 )
 from pallas_kernels.sharding import KernelMesh
-
-
-def _checked(fmt, scale_format, group_size):
-    quant.fp8_format(fmt)
-    quant.check_scale_format(scale_format)
-    quant.check_group_size(group_size)
-    return dict(group_size=group_size, fmt=fmt, scale_format=scale_format)
 
 
 def rmsnorm_rowwise(
@@ -40,17 +33,10 @@ def rmsnorm_rowwise(
     """RMSNorm whose output comes out quantized per row: ``(y_q, x_q, rstd [..., 1])``, ``y_q``
     with one float32 scale per row, ``x_q`` the 1xG input the norm's backward reads
     (:func:`pallas_kernels.fp8_act.rmsnorm_bwd`)."""
-    kw = _checked(fmt, scale_format, group_size)
-    return dispatch(
-        "rmsnorm_rowwise",
-        implementation,
-        interpret=interpret,
-        mesh=mesh,
-        pallas=lambda: rmsnorm_rowwise_pallas(
-            x, w, eps, **kw, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        xla=lambda: rmsnorm_rowwise_reference(x, w, eps, **kw),
-    )[1]
+    settings = quant.group_settings(group_size, fmt, scale_format)
+    kernels = (rmsnorm_rowwise_pallas, rmsnorm_rowwise_reference)
+    launch = dict(implementation=implementation, interpret=interpret, tiles=tiles, mesh=mesh)
+    return dispatch_tiled("rmsnorm_rowwise", *kernels, (x, w, eps), settings, **launch)
 
 
 def swiglu_rowwise(
@@ -67,14 +53,7 @@ def swiglu_rowwise(
 ):
     """``silu(gate) * up`` quantized per row: ``(h_q, gate_q, up_q)``, the 1xG gate and up
     being what SwiGLU's backward reads (:func:`pallas_kernels.fp8_act.swiglu_bwd`)."""
-    kw = _checked(fmt, scale_format, group_size)
-    return dispatch(
-        "swiglu_rowwise",
-        implementation,
-        interpret=interpret,
-        mesh=mesh,
-        pallas=lambda: swiglu_rowwise_pallas(
-            gate, up, **kw, tiles=tiles, interpret=interpret, mesh=mesh
-        ),
-        xla=lambda: swiglu_rowwise_reference(gate, up, **kw),
-    )[1]
+    settings = quant.group_settings(group_size, fmt, scale_format)
+    kernels = (swiglu_rowwise_pallas, swiglu_rowwise_reference)
+    launch = dict(implementation=implementation, interpret=interpret, tiles=tiles, mesh=mesh)
+    return dispatch_tiled("swiglu_rowwise", *kernels, (gate, up), settings, **launch)
