@@ -9,7 +9,10 @@ import shlex
 import subprocess
 import sys
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
 
 from tests.commands import run_each
 from tests.tiny_runs import compilation_cache
