@@ -94,11 +94,14 @@ def test_row_scale_is_the_absmax_of_the_producer_output():
     np.testing.assert_allclose(y_q.scale, np.abs(y).max(-1, keepdims=True) / 448, rtol=2**-7)
 
 
-def test_dispatch_falls_back_and_names_the_shape():
-    gate = data((4, 40))  # 40 is not a multiple of the group size 16
-    ref = fp8_rowquant.swiglu_rowwise_reference(gate, gate)
-    got = fp8_rowquant.swiglu_rowwise(gate, gate, implementation="auto", interpret=True)
+@pytest.mark.parametrize("op", ["rmsnorm_rowwise", "swiglu_rowwise"])
+def test_dispatch_falls_back_and_names_the_shape(op):
+    x = data((4, 40))  # 40 is not a multiple of the group size 16
+    args = (x, jnp.ones(40), 1e-6) if op == "rmsnorm_rowwise" else (x, x)
+    public = getattr(fp8_rowquant, op)
+    ref = getattr(fp8_rowquant, f"{op}_reference")(*args)
+    got = public(*args, implementation="auto", interpret=True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match=r"implementation='pallas' cannot run swiglu_rowwise.*40"):
-        fp8_rowquant.swiglu_rowwise(gate, gate, implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match=rf"implementation='pallas' cannot run {op}.*40"):
+        public(*args, implementation="pallas", interpret=True)
