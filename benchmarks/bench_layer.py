@@ -901,8 +901,7 @@ def write_docs(path: str | None, records: list[dict], command: str) -> str:
             "quantizes each weight once per step (the trainer's default); a third part says "
             "where the FP8 activation ops ran (`xla`: XLA's fusions of their jnp references, "
             "the trainer's default; `pallas`: the Pallas kernels; `auto`: Pallas where one "
-            "runs). "
-            "Kernels: launches of one step, counted in the "
+            "runs). Kernels: launches of one step, counted in the "
             "compiled HLO (`kernel_counts`); memory columns are fwd+bwd's.",
             "",
         ]

@@ -55,11 +55,10 @@ DESCRIPTIONS = {
     "precision.fp8_group_scale": "1x16 activation scales: float32 (COAT) or e8m0 (power of two, 1 "
     "byte)",
     "precision.fp8_swiglu": "coat: FP8 SiLU and product ops (COAT); fused: one FP8 SwiGLU keeping "
-    "gate "
-    "and up only (precision coat)",
+    "gate and up only (precision coat)",
     "precision.fp8_linear_scaling": "FP8 linear scales: tensor (COAT); row (per token and "
-    "channel); "
-    "row_gw_hp (row, the weight gradient in BF16); block (1x128 tiles, 128x128 weight blocks)",
+    "channel); row_gw_hp (row, the weight gradient in BF16); block (1x128 tiles, 128x128 "
+    "weight blocks)",
     "precision.master_dtype": "dtype of the trained parameters (bfloat16: stochastic-rounded "
     "updates)",
     "memory.loss_chunk_size": "cross-entropy in blocks of this many positions (null: plain loss)",
@@ -96,8 +95,7 @@ DESCRIPTIONS = {
     "data.text_field": "the field (column) of records that holds the text; records without it may "
     "hold a chat's 'messages'",
     "data.attention_across_documents": "false: a token attends only to its own document of a "
-    "packed "
-    "window (on XLA's attention); null: false for data with chats, true otherwise",
+    "packed window (on XLA's attention); null: false for data with chats, true otherwise",
     "data.document_positions": "positions restart at 0 at each document's first token in a window",
     "data.tokenizer": "byte (UTF-8 bytes, 258 ids), init_from (its checkpoint's) or a tokenizer "
     "path",
@@ -141,22 +139,18 @@ DESCRIPTIONS = {
     "checkpoint.save_final": "write a checkpoint at the end of the run (false: only periodic and "
     "on signals)",
     "optimizer.skip_nonfinite_steps": "skip up to this many steps with a non-finite gradient, then "
-    "stop "
-    "(0: stop at the first)",
+    "stop (0: stop at the first)",
     "logging.progress_bar": "show a tqdm progress bar (false: plain log lines)",
     "logging.tensorboard": "write metrics.jsonl's records to <output_dir>/tensorboard too (needs "
     "tensorboardX)",
     "logging.wandb_project": "also log metrics.jsonl's records to this Weights & Biases project "
-    "(pip "
-    "install 'coat-jax[wandb]'; null: off)",
+    "(pip install 'coat-jax[wandb]'; null: off)",
     "logging.wandb_mode": "online: sync to the W&B server as the run goes; offline: write the run "
     "under <output_dir>/wandb only (wandb sync uploads it later)",
     "logging.profile_steps": "[first, last]: trace these steps (1-based, inclusive) with "
-    "jax.profiler "
-    "into <output_dir>/profile (null: off)",
+    "jax.profiler into <output_dir>/profile (null: off)",
     "optimizer.fused_apply": "coat_adamw's kernel applies the update in its own pass (false: "
-    "optax's "
-    "update, then apply_updates)",
+    "optax's update, then apply_updates)",
     "optimizer.in_backward": "update each layer inside the backward pass: never holds the whole "
     "gradient (needs scan_layers, optimizer.grad_clip=null; docs/memory_options.md)",
     "logging.telemetry": "log the FP8 optimizer state's error, saturation, clip counts and the FP8 "

@@ -333,8 +333,7 @@ class TrainConfig:
         if self.fp8_state and self.optimizer == "coat_adamw":
             raise ValueError(
                 "optimizer.fp8_state=true wraps an optax optimizer, but coat_adamw already keeps "
-                "FP8 "
-                "moments; use optimizer.name=adamw optimizer.fp8_state=true, or "
+                "FP8 moments; use optimizer.name=adamw optimizer.fp8_state=true, or "
                 "optimizer.fp8_state=false"
             )
         # "once", the default, holds trivially for precision bf16 (no weight is quantized);
@@ -342,15 +341,13 @@ class TrainConfig:
         if self.fp8_weight_residual == "fp8" and self.precision == "bf16":
             raise ValueError(
                 "precision.fp8_weight_residual=fp8 needs precision fp8 or coat (precision bf16 has "
-                "no FP8 "
-                "weights); set precision.fp8_weight_residual=once or master"
+                "no FP8 weights); set precision.fp8_weight_residual=once or master"
             )
         if self.precision == "bf16" and names_fp8_ops(self.kernels):
             raise ValueError(
                 f"kernels={to_yaml(self.kernels)} picks the kernels of FP8 activation ops, and "
                 "precision.mode=bf16 has none; use precision.mode=fp8 or coat, or set "
-                "kernels.optimizer "
-                "alone"
+                "kernels.optimizer alone"
             )
         if self.fp8_group_scale != "float32" and not (
             self.precision == "coat" or (self.precision == "fp8" and self.fp8_attention)
@@ -364,27 +361,24 @@ class TrainConfig:
         if self.fp8_attention_backward != "recompute" and not self.fp8_attention:
             raise ValueError(
                 f"precision.fp8_attention_backward={self.fp8_attention_backward} is an option of "
-                f"FP8 "
-                "attention, and precision.fp8_attention=false runs attention in BF16; set "
+                "FP8 attention, and precision.fp8_attention=false runs attention in BF16; set "
                 "precision.fp8_attention=true, or precision.fp8_attention_backward=recompute"
             )
         if self.fp8_swiglu != "coat" and self.precision != "coat":
             raise ValueError(
                 f"precision.fp8_swiglu={self.fp8_swiglu} changes the FP8 SiLU and product of "
-                f"precision "
-                f"coat, and precision.mode={self.precision} runs them in BF16; use "
-                f"precision.mode=coat, "
-                "or set precision.fp8_swiglu=coat"
+                f"precision coat, and precision.mode={self.precision} runs them in BF16; use "
+                "precision.mode=coat, or set precision.fp8_swiglu=coat"
             )
         if self.fp8_linear_scaling != "tensor" and (
             self.precision == "bf16" or self.fp8_weight_residual != "master"
         ):
             raise ValueError(
                 f"precision.fp8_linear_scaling={self.fp8_linear_scaling} re-quantizes master "
-                f"weights in FP8 "
-                f"linears, and precision.mode={self.precision} with precision.fp8_weight_residual="
-                f"{self.fp8_weight_residual} does not; use precision.mode=fp8 or coat with "
-                "precision.fp8_weight_residual=master, or set precision.fp8_linear_scaling=tensor"
+                f"weights in FP8 linears, and precision.mode={self.precision} with "
+                f"precision.fp8_weight_residual={self.fp8_weight_residual} does not; use "
+                "precision.mode=fp8 or coat with precision.fp8_weight_residual=master, or set "
+                "precision.fp8_linear_scaling=tensor"
             )
         check_data_keys(self)
         for name in ("data", "fsdp"):

@@ -85,8 +85,7 @@ class WandbWriter:
         except ImportError as e:
             raise ValueError(
                 f"logging.wandb_project={project!r} needs wandb; pip install 'coat-jax[wandb]' or "
-                f"set "
-                "logging.wandb_project=null"
+                "set logging.wandb_project=null"
             ) from e
         id_file = directory / "wandb" / "run_id"
         run_id = id_file.read_text().strip() if resume and id_file.exists() else None

@@ -165,8 +165,7 @@ def resolve_batch(cfg: TrainConfig, *, limit: int | None = None, say=print, max_
     if total is not None and cfg.grad_accum != 1:
         raise ValueError(
             f"data.batch_size=auto with data.global_batch_size={total} sets grad_accum itself; "
-            f"leave "
-            f"grad_accum at 1 (got {cfg.grad_accum})"
+            f"leave grad_accum at 1 (got {cfg.grad_accum})"
         )
     limit = device_limit() if limit is None else limit
     if limit is None:
@@ -219,8 +218,7 @@ def _accum_for(cfg: TrainConfig, batch: int) -> int:
     if total % batch or cfg.grad_accum not in (1, total // batch):
         raise ValueError(
             f"data.global_batch_size={total} must be data.batch_size={batch} times grad_accum; "
-            f"leave "
-            f"grad_accum at 1 (it becomes global_batch_size / batch_size) and choose a "
+            "leave grad_accum at 1 (it becomes global_batch_size / batch_size) and choose a "
             f"batch_size that divides {total}"
         )
     return total // batch

@@ -33,9 +33,9 @@ def check_data_keys(cfg) -> None:
     if cfg.attention_across_documents is False and cfg.fp8_attention_backward != "recompute":
         raise ValueError(
             f"data.attention_across_documents=false masks attention between documents, and "
-            f"precision.fp8_attention_backward={cfg.fp8_attention_backward} cannot take that mask; "
-            f"set "
-            "precision.fp8_attention_backward=recompute, or data.attention_across_documents=true"
+            f"precision.fp8_attention_backward={cfg.fp8_attention_backward} cannot take that "
+            "mask; set precision.fp8_attention_backward=recompute, or "
+            "data.attention_across_documents=true"
         )
     if not cfg.text_field:
         raise ValueError("text_field is empty; name the field that holds the text, e.g. text")
