@@ -14,10 +14,10 @@ in a context of its own (conftest.py's CONTEXTS_RUN, which also runs everything 
 
 A listed unit may rely only on arcs that collection, the rest of set-up and tear-down, or a
 traced unit earlier in the run reaches: a unit that runs later can find a program traced and
-cached already, so it is not counted on. A fixture's place is just before the body of the first test, in collection order,
-that ran it. The check prints every arc that only listed units reach, and every listed unit that
-is no longer collected or reaches nothing, and exits with status 1 if there is one. ``--write``
-chooses the list again, slowest first.
+cached already, so it is not counted on. A fixture's place is just before the body of the first
+test, in collection order, that ran it. The check prints every arc that only listed units
+reach, and every listed unit that is no longer collected or reaches nothing, and exits with
+status 1 if there is one. ``--write`` chooses the list again, slowest first.
 """
 
 from __future__ import annotations

@@ -283,14 +283,13 @@ class FP8Config:
             mesh=self.mesh,
         )
 
+    def group_kwargs(self) -> dict:
+        """How forward quantizes activations: format, 1xG groups and their scales' format."""
+        return dict(fmt=self.act_format, group_size=self.group_size, scale_format=self.group_scale)
+
     def quantize_kwargs(self, op: str) -> dict:
-        """:meth:`kernel_kwargs` plus how forward quantizes activations (format, 1xG groups)."""
-        return dict(
-            fmt=self.act_format,
-            group_size=self.group_size,
-            scale_format=self.group_scale,
-            **self.kernel_kwargs(op),
-        )
+        """:meth:`kernel_kwargs` plus :meth:`group_kwargs`."""
+        return dict(**self.group_kwargs(), **self.kernel_kwargs(op))
 
 
 DEFAULT_CONFIG = FP8Config()

@@ -27,7 +27,7 @@ from coat_jax.fp8.checks import check_float, check_pair
 from coat_jax.fp8.residuals import keep, pin
 from coat_jax.fp8.rowwise import check_linear, rowwise_gemms, rowwise_grads
 from pallas_kernels import fp8_act, fp8_rowquant
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import dispatch_tiled
 
 
 def _producer(op, config, pallas, reference, *args):
@@ -35,16 +35,12 @@ def _producer(op, config, pallas, reference, *args):
     implementation. The kernel's outputs pass no barrier: XLA cannot fold a Pallas kernel's
     round trip, and a barrier between the row codes and the GEMM would hide them from the FP8
     GEMM rewriter (docs/fp8_gemm.md). The reference's codes are XLA's and are pinned."""
-    kw = dict(fmt=config.act_format, group_size=config.group_size, scale_format=config.group_scale)
-    run = dict(tiles=config.tiles, interpret=config.interpret, mesh=config.mesh)
-    return dispatch(
-        op,
-        config.implementation_of(op),
-        interpret=config.interpret,
-        mesh=config.mesh,
-        pallas=lambda: pallas(*args, **kw, **run),
-        xla=lambda: pin(reference(*args, **kw), config),
-    )[1]
+
+    def pinned(*reference_args, **settings):
+        return pin(reference(*reference_args, **settings), config)
+
+    settings = config.group_kwargs()
+    return dispatch_tiled(op, pallas, pinned, args, settings, **config.kernel_kwargs(op))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
